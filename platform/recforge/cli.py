@@ -1,0 +1,198 @@
+"""`recforge ...`: data tools, single stages, a whole pipeline in-process, and the Airflow demo."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+app = typer.Typer(help="recforge: train and serve deep learning recommendation models", no_args_is_help=True)
+data_app = typer.Typer(help="raw day files: generate and validate", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+console = Console()
+
+
+def _pipeline_config(config: Optional[Path], overrides: dict):
+    from recforge.config import PipelineConfig, load_config
+
+    base = load_config(config).model_dump() if config else {}
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return PipelineConfig.model_validate(base)
+
+
+@data_app.command("generate")
+def data_generate(
+    out: Path = typer.Argument(..., help="directory for day_*.tsv"),
+    preset: str = "criteo_kaggle", days: int = 2, rows: int = 100_000, seed: int = 0, gzip: bool = False,
+):
+    """Synthetic Criteo-format day files with a known AUC ceiling."""
+    from recforge.config import dataset_preset
+    from recforge.data.generator import generate_days
+
+    with console.status(f"generating {days} x {rows:,} rows"):
+        t = time.perf_counter()
+        report = generate_days(dataset_preset(preset), out, days=days, rows_per_day=rows, seed=seed, gzip=gzip)
+        dt = time.perf_counter() - t
+    console.print(f"wrote {len(report.files)} files to {out} ({days * rows / dt:,.0f} rows/s); "
+                  f"Bayes AUC per day: {[round(a, 4) for a in report.bayes_auc]}")
+
+
+@data_app.command("validate")
+def data_validate(
+    sources: list[Path] = typer.Argument(..., help="raw day files"),
+    out: Path = typer.Option(..., help="output directory for Parquet shards + manifest"),
+    preset: str = "criteo_kaggle", rows_per_shard: int = 50_000, max_bad_fraction: float = 0.01,
+):
+    """Validate raw day files into Parquet shards; bad rows go to quarantine.jsonl."""
+    from recforge.config import dataset_preset
+    from recforge.data.ingest import ingest
+
+    manifest = ingest(list(sources), dataset_preset(preset), out, rows_per_shard=rows_per_shard,
+                      max_bad_fraction=max_bad_fraction, progress=True)
+    console.print(f"{manifest.total_rows:,} rows in {len(manifest.shards)} shards at {out}; "
+                  f"{manifest.quarantined_rows:,} quarantined ({out / 'quarantine.jsonl'})")
+
+
+@app.command()
+def preprocess(
+    manifest_dir: Path, plan: Optional[Path] = typer.Option(None, help="plan JSON/YAML; default RAP's Criteo plan"),
+    table_cap: int = 100_000, batch_size: int = 8192,
+):
+    """Run a preprocessing plan over a manifest and report throughput."""
+    from recforge.data.manifest import Manifest
+    from recforge.data.shards import read_rows
+    from recforge.preprocess.batch import RawBatch
+    from recforge.preprocess.executor import TorchExecutor
+    from recforge.preprocess.plan import Plan, criteo_plan
+
+    manifest = Manifest.load(manifest_dir)
+    the_plan = Plan.load(plan) if plan else criteo_plan(manifest.dataset, table_cap)
+    executor = TorchExecutor(the_plan, manifest.dataset)
+    rows, t = 0, time.perf_counter()
+    with _progress() as bar:
+        task = bar.add_task("preprocess", total=manifest.total_rows)
+        for i, shard in enumerate(manifest.shards):
+            for start in range(0, shard.rows, batch_size):
+                rb = read_rows(manifest_dir, i, start, min(start + batch_size, shard.rows))
+                dense, kjt = executor(RawBatch.from_arrow(rb, manifest.dataset))
+                rows += dense.shape[0]
+                bar.update(task, advance=dense.shape[0])
+    console.print(f"preprocessed {rows:,} rows at {rows / (time.perf_counter() - t):,.0f} rows/s "
+                  f"({len(the_plan.dense_features())} dense, {len(the_plan.tables())} sparse features)")
+
+
+def _context(run_key: str, config: Optional[Path], **overrides):
+    from recforge.pipelines.context import RunContext
+
+    return RunContext.create(run_key, _pipeline_config(config, overrides))
+
+
+def _run_stages(ctx, names: list[str]):
+    from recforge.pipelines.runner import STAGE_FUNCTIONS
+
+    outputs = {}
+    with _progress() as bar:
+        task = bar.add_task("pipeline", total=len(names))
+        for name in names:
+            bar.update(task, description=name)
+            outputs[name] = STAGE_FUNCTIONS[name](ctx)
+            bar.advance(task)
+    return outputs
+
+
+def _missing_stages(ctx, upto: str) -> list[str]:
+    from recforge.pipelines.runner import STAGES
+
+    needed = STAGES[: STAGES.index(upto) + 1]
+    return [s for s in needed if s == upto or not (ctx.stage_dir(s) / "outputs.json").exists()]
+
+
+@app.command()
+def train(run_key: str = "cli", config: Optional[Path] = None, workers: Optional[int] = None,
+          epochs: Optional[int] = None, rows_per_day: Optional[int] = None):
+    """Train (running the data stages first where this run key has none)."""
+    overrides = {"rows_per_day": rows_per_day}
+    ctx = _context(run_key, config, **overrides)
+    if workers is not None:
+        ctx.config.resources.workers = workers
+    if epochs is not None:
+        ctx.config.train.epochs = epochs
+    out = _run_stages(ctx, _missing_stages(ctx, "evaluate"))
+    console.print_json(json.dumps({k: out[k] for k in ("train", "evaluate") if k in out}, default=str))
+
+
+@app.command("compile")
+def compile_cmd(run_key: str = "cli", config: Optional[Path] = None):
+    """Compile a trained run's model for inference and compare it with eager."""
+    ctx = _context(run_key, config)
+    out = _run_stages(ctx, _missing_stages(ctx, "compile"))
+    console.print_json(json.dumps(out["compile"]["report"], default=str))
+
+
+@app.command()
+def run(run_key: str = typer.Option(None, help="default: local__<timestamp>"), config: Optional[Path] = None,
+        rows_per_day: Optional[int] = None):
+    """Run the whole daily pipeline in this process, without Airflow."""
+    from recforge.pipelines.runner import STAGES
+    from recforge.pipelines.summary import summarize
+
+    ctx = _context(run_key or time.strftime("local__%Y%m%dT%H%M%S"), config, rows_per_day=rows_per_day)
+    _run_stages(ctx, STAGES)
+    _print_summary(summarize(ctx))
+
+
+@app.command()
+def summary(run_key: str):
+    """Print the summary of a finished pipeline run."""
+    from recforge.config import PipelineConfig
+    from recforge.pipelines.context import RunContext
+    from recforge.pipelines.summary import summarize
+
+    _print_summary(summarize(RunContext.create(run_key, PipelineConfig())))
+
+
+@app.command()
+def demo(rows_per_day: int = 200_000, workers: int = 2, epochs: int = 1):
+    """Run the recforge_daily DAG once through Airflow on the embedded defaults, then print a summary."""
+    from recforge.demo import run_demo
+
+    summary_data = run_demo(rows_per_day=rows_per_day, workers=workers, epochs=epochs, console=console)
+    _print_summary(summary_data)
+    from recforge.demo import how_to_open
+
+    console.print(how_to_open())
+
+
+def _progress() -> Progress:
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                    TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console)
+
+
+def _print_summary(data: dict) -> None:
+    table = Table(title=f"recforge run {data.get('run_key')}", show_header=False)
+    fmt = {
+        "rows_ingested": "{:,}", "rows_quarantined": "{:,}", "train_samples_per_s": "{:,.0f} samples/s",
+        "holdout_auc": "{:.4f}", "holdout_logloss": "{:.4f}", "holdout_ne": "{:.4f}", "auc_ceiling": "{:.4f}",
+        "eager_latency_ms": "{:.3f} ms", "compiled_latency_ms": "{:.3f} ms", "compile_speedup": "{:.2f}x",
+        "compile_max_abs_diff": "{:.2e}", "train_wall_s": "{:.1f} s",
+    }
+    for key, value in data.items():
+        text = fmt[key].format(value) if key in fmt and value is not None else str(value)
+        table.add_row(key.replace("_", " "), text)
+    console.print(table)
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

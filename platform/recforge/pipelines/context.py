@@ -1,0 +1,76 @@
+"""What every stage of one pipeline run shares: its key, its config, where its outputs live."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recforge.config import PipelineConfig
+from recforge.tracking.paths import recforge_home
+
+EXPERIMENT = "recforge_daily"
+
+
+def run_key_from(dag_run_id: str) -> str:
+    """Airflow run ids contain ':' and '+'; keep a filesystem- and filter-safe key."""
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", dag_run_id).strip("_")
+    if not key:
+        raise ValueError(f"run id {dag_run_id!r} gives an empty run key")
+    return key
+
+
+@dataclass
+class RunContext:
+    run_key: str
+    config: PipelineConfig
+    home: Path = field(default_factory=recforge_home)
+    experiment: str = EXPERIMENT
+    tracking_uri: str | None = None
+
+    @classmethod
+    def create(cls, run_key: str, config: dict[str, Any] | PipelineConfig, **kw) -> "RunContext":
+        cfg = config if isinstance(config, PipelineConfig) else PipelineConfig.model_validate(config)
+        return cls(run_key=run_key_from(run_key), config=cfg, **kw)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.home / "runs" / self.experiment / self.run_key
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.run_dir / stage
+
+    def outputs(self, stage: str) -> dict[str, Any]:
+        """The recorded outputs of a finished stage; a later stage reads only these."""
+        path = self.stage_dir(stage) / "outputs.json"
+        if not path.exists():
+            raise FileNotFoundError(f"stage {stage!r} of run {self.run_key} has no recorded outputs at {path}")
+        return json.loads(path.read_text())
+
+
+class StageWriter:
+    """Build a stage's outputs in a temp dir; `commit` swaps it in, so a half-done stage is never seen."""
+
+    def __init__(self, ctx: RunContext, stage: str):
+        self.final = ctx.stage_dir(stage)
+        self.tmp = self.final.with_name(f".{stage}.tmp-{os.getpid()}")
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir(parents=True)
+
+    def commit(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        text = json.dumps(outputs, indent=2, default=str)
+        # paths inside outputs refer to the final location
+        (self.tmp / "outputs.json").write_text(text.replace(str(self.tmp), str(self.final)))
+        old = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")
+        if self.final.exists():
+            os.replace(self.final, old)
+        os.replace(self.tmp, self.final)
+        shutil.rmtree(old, ignore_errors=True)
+        return json.loads((self.final / "outputs.json").read_text())
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)

@@ -1,0 +1,66 @@
+"""Glue between Airflow's task context and the stage functions (keeps DAG files to wiring only)."""
+from __future__ import annotations
+
+from typing import Any
+
+# Param name -> PipelineConfig field path. Airflow 3 TaskFlow reserves `run_id`, so none is used here.
+PARAM_FIELDS = {
+    "dataset_preset": ("dataset_preset",),
+    "rows_per_day": ("rows_per_day",),
+    "train_days": ("train_days",),
+    "workers": ("resources", "workers"),
+    "epochs": ("train", "epochs"),
+    "batch_size": ("train", "batch_size"),
+    "seed": ("seed",),
+    "table_cap": ("table_cap",),
+    "model_arch": ("model", "arch"),
+    "source_dir": ("source_dir",),
+}
+
+
+def config_from_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Nest the flat DAG Params into a PipelineConfig dict (validated by the stage)."""
+    cfg: dict[str, Any] = {}
+    for name, path in PARAM_FIELDS.items():
+        if name not in params or params[name] in (None, ""):
+            continue
+        node = cfg
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = params[name]
+    return cfg
+
+
+def default_params() -> dict[str, dict[str, Any]]:
+    """Defaults and JSON-schema types for the DAG's Params, read off PipelineConfig."""
+    from recforge.config import DATASET_PRESETS, PipelineConfig
+
+    cfg = PipelineConfig()
+    return {
+        "dataset_preset": {"default": cfg.dataset_preset, "type": "string", "enum": sorted(DATASET_PRESETS),
+                           "description": "dataset schema preset"},
+        "rows_per_day": {"default": cfg.rows_per_day, "type": "integer", "minimum": 100,
+                         "description": "synthetic rows per day"},
+        "train_days": {"default": cfg.train_days, "type": "integer", "minimum": 1},
+        "workers": {"default": cfg.resources.workers, "type": "integer", "minimum": 1, "maximum": 8,
+                    "description": "training worker processes"},
+        "epochs": {"default": cfg.train.epochs, "type": "integer", "minimum": 1},
+        "batch_size": {"default": cfg.train.batch_size, "type": "integer", "minimum": 1,
+                       "description": "per-worker batch size"},
+        "seed": {"default": cfg.seed, "type": "integer"},
+        "table_cap": {"default": cfg.table_cap, "type": "integer", "minimum": 1,
+                      "description": "rows per embedding table"},
+        "model_arch": {"default": cfg.model.arch, "type": "string", "enum": ["dlrm", "dlrm_dcn"]},
+        "source_dir": {"default": "", "type": "string",
+                       "description": "directory of raw day_*.tsv files; empty generates synthetic data"},
+    }
+
+
+def run_stage_from_context(stage: str, context: dict[str, Any]) -> dict[str, Any]:
+    from recforge.pipelines.context import RunContext
+    from recforge.pipelines.runner import STAGE_FUNCTIONS
+
+    ctx = RunContext.create(context["dag_run"].run_id, config_from_params(dict(context["params"])))
+    out = STAGE_FUNCTIONS[stage](ctx)
+    # XCom carries only small scalars; the full outputs stay in the stage's outputs.json
+    return {k: v for k, v in out.items() if isinstance(v, (str, int, float, bool)) or v is None}

@@ -1,0 +1,31 @@
+"""Resource planning (the elastic.Policy seam) and the preprocessing plan the workers will run."""
+from __future__ import annotations
+
+from typing import Any
+
+from recforge.pipelines.context import RunContext
+from recforge.pipelines.stage import run_stage
+
+
+def plan_resources(ctx: RunContext) -> dict[str, Any]:
+    def body(w, store, run_id):
+        from recforge.elastic.policy import StaticPolicy
+        from recforge.preprocess.plan import criteo_plan
+
+        cfg = ctx.config
+        plan = criteo_plan(cfg.dataset(), cfg.table_cap)
+        plan_path = w.tmp / "preprocess_plan.json"
+        plan.save(plan_path)
+        resources = StaticPolicy(cfg.resources).plan(None)
+        store.log_params(run_id, {"policy": cfg.resources.policy, "workers": resources.workers,
+                                  "threads_per_worker": resources.threads_per_worker})
+        store.log_artifact(run_id, plan_path)
+        return {
+            "plan_path": str(w.final / "preprocess_plan.json"),
+            "workers": resources.workers,
+            "threads_per_worker": resources.threads_per_worker,
+            "tables": [[name, rows] for name, rows in plan.tables()],
+            "num_dense": len(plan.dense_features()),
+        }
+
+    return run_stage(ctx, "plan_resources", body)

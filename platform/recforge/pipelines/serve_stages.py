@@ -1,0 +1,72 @@
+"""Compile the trained model for inference (RECom seam) and publish it to the MLflow registry."""
+from __future__ import annotations
+
+from typing import Any
+
+from recforge.pipelines.context import RunContext
+from recforge.pipelines.stage import run_stage
+from recforge.pipelines.train_stage import load_trained
+
+REGISTERED_MODEL = "recforge-dlrm"
+
+
+def _holdout_inputs(ctx: RunContext, rows: int):
+    from recforge.data.shards import read_rows
+    from recforge.preprocess.batch import RawBatch
+
+    manifest_dir = ctx.outputs("ingest")["holdout"]["manifest_dir"]
+    raw = RawBatch.from_arrow(read_rows(manifest_dir, 0, 0, rows), ctx.config.dataset())
+    return (raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid)
+
+
+def compile_model(ctx: RunContext) -> dict[str, Any]:
+    def body(w, store, run_id):
+        import recforge.recom as recom
+        from recforge.preprocess.module import PreprocessModule
+        from recforge.recom.inference import InferenceModule
+        from recforge.recom.report import compile_report
+
+        model, plan = load_trained(ctx)
+        eager = InferenceModule(PreprocessModule(plan, ctx.config.dataset()), model).eval()
+        example = _holdout_inputs(ctx, 256)
+        compiled = recom.compile(eager.lowered(), example)
+        check_inputs = _holdout_inputs(ctx, 2048)
+        report = compile_report(eager, compiled, check_inputs)
+        path = w.tmp / "inference.pt2"
+        compiled.save(path)
+        store.log_metrics(run_id, {k: v for k, v in report.items() if isinstance(v, (int, float))})
+        store.log_dict(run_id, report, "compile_report.json")
+        store.log_artifact(run_id, path)
+        return {"artifact": str(w.final / "inference.pt2"), "report": report}
+
+    return run_stage(ctx, "compile", body)
+
+
+def publish(ctx: RunContext) -> dict[str, Any]:
+    quality = ctx.outputs("evaluate")
+    compiled = ctx.outputs("compile")
+
+    def body(w, store, run_id):
+        from recforge.tracking import ModelRegistry
+
+        model, _ = load_trained(ctx)
+        registry = ModelRegistry(store, REGISTERED_MODEL)
+        store.log_artifact(run_id, compiled["artifact"], "compiled")
+        version = registry.log_and_register(
+            run_id, model, auc=quality["auc"],
+            tags={"run_key": ctx.run_key, "compiled_artifact": "compiled/inference.pt2"},
+        )
+        decision = registry.promote_if_not_worse(version, quality["auc"], ctx.config.champion_margin)
+        parent = store.pipeline_run(ctx.experiment, ctx.run_key)
+        store.log_metrics(parent, {"auc": quality["auc"], "logloss": quality["logloss"],
+                                   "promoted": float(decision.promoted)})
+        store.set_tags(parent, {"model_version": version, "champion": decision.promoted})
+        return {"model_name": REGISTERED_MODEL, "version": version, "promoted": decision.promoted,
+                "reason": decision.reason, "pipeline_run_id": parent}
+
+    out = run_stage(ctx, "publish", body)
+    from recforge.tracking import TrackingStore
+
+    store = TrackingStore(ctx.tracking_uri)
+    store.finish(out["pipeline_run_id"], ok=True)
+    return out

@@ -1,0 +1,93 @@
+"""Elastic TorchRec training under a job master, then evaluation on the held-out day."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from recforge.pipelines.context import RunContext
+from recforge.pipelines.stage import run_stage
+
+
+def train(ctx: RunContext) -> dict[str, Any]:
+    data = ctx.outputs("ingest")
+    plan = ctx.outputs("plan_resources")
+
+    def body(w, store, run_id):
+        from recforge.elastic.job import run_training_job
+        from recforge.elastic.local import LocalBackend
+        from recforge.elastic.policy import StaticPolicy
+
+        cfg = ctx.config
+        manifest_dir = data["train"]["manifest_dir"]
+        spec = {
+            "manifest_dir": manifest_dir,
+            "plan_path": plan["plan_path"],
+            "dataset": cfg.dataset().model_dump(mode="json"),
+            "model": cfg.model.model_dump(mode="json"),
+            "train": cfg.train.model_dump(mode="json"),
+            "checkpoint_dir": str(w.tmp / "checkpoint"),
+            "output_dir": str(w.tmp / "worker"),
+            "threads_per_worker": plan["threads_per_worker"],
+            "seed": cfg.seed,
+            "tracking_uri": store.tracking_uri,
+            "mlflow_run_id": run_id,
+        }
+        store.log_params(run_id, {"train": cfg.train.model_dump(mode="json"),
+                                  "model": cfg.model.model_dump(mode="json")})
+        result = run_training_job(
+            spec,
+            manifest_dir=manifest_dir,
+            resources=cfg.resources.model_copy(update={"workers": plan["workers"],
+                                                       "threads_per_worker": plan["threads_per_worker"]}),
+            policy=StaticPolicy(cfg.resources),
+            backend=LocalBackend(),
+            state_dir=w.tmp / "master",
+        )
+        worker = json.loads((w.tmp / "worker" / "result.json").read_text())
+        store.log_metrics(run_id, {"samples_per_s": worker["samples_per_s"], "steps": worker["steps"],
+                                   "final_train_loss": worker["final_loss"], "wall_s": worker["wall_s"]})
+        store.log_dict(run_id, worker, "result.json")
+        return {
+            "checkpoint_dir": str(w.final / "checkpoint"),
+            "samples_per_s": worker["samples_per_s"],
+            "steps": worker["steps"],
+            "wall_s": worker["wall_s"],
+            "world_size": worker["world_size"],
+            "samples_trained": worker["samples_per_epoch"],
+            "job": result.model_dump(mode="json") if hasattr(result, "model_dump") else dict(result.__dict__),
+        }
+
+    return run_stage(ctx, "train", body)
+
+
+def load_trained(ctx: RunContext):
+    """The trained model, unsharded, with the plan it was trained on."""
+    from recforge.preprocess.plan import Plan
+    from recforge.train.checkpoint import load_unsharded
+
+    plan_out = ctx.outputs("plan_resources")
+    plan = Plan.load(Path(plan_out["plan_path"]))
+    tables = [tuple(t) for t in plan_out["tables"]]
+    model = load_unsharded(ctx.config.model, tables, plan_out["num_dense"], ctx.outputs("train")["checkpoint_dir"])
+    return model.eval(), plan
+
+
+def evaluate(ctx: RunContext) -> dict[str, Any]:
+    data = ctx.outputs("ingest")
+    ceiling = ctx.outputs("generate").get("bayes_auc")
+
+    def body(w, store, run_id):
+        from recforge.preprocess.executor import TorchExecutor
+        from recforge.train.metrics import evaluate as evaluate_model
+
+        model, plan = load_trained(ctx)
+        executor = TorchExecutor(plan, ctx.config.dataset())
+        metrics = evaluate_model(model, executor, data["holdout"]["manifest_dir"], batch_size=4096)
+        out = {k: float(v) for k, v in metrics.items()}
+        if ceiling:
+            out["auc_ceiling"] = float(ceiling[-1])
+        store.log_metrics(run_id, out)
+        return out
+
+    return run_stage(ctx, "evaluate", body)

@@ -1,0 +1,62 @@
+"""Environment of the embedded defaults: Airflow (LocalExecutor, SQLite) and MLflow (SQLite), under $RECFORGE_HOME.
+
+`python -m recforge.settings` prints `export` lines; scripts/env.sh and the CLI use the same values.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+from pathlib import Path
+
+from recforge.tracking.paths import recforge_home, repo_root
+
+
+def jwt_secret(home: Path) -> str:
+    """A per-install secret of 64 random bytes (hex), created once, readable by the owner only."""
+    path = home / "secrets" / "jwt_secret"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(secrets.token_hex(64))
+        tmp.chmod(0o600)
+        os.replace(tmp, path)
+    return path.read_text().strip()
+
+
+def embedded_env(home: Path | None = None) -> dict[str, str]:
+    home = home or recforge_home()
+    root = repo_root()
+    airflow_home = home / "airflow"
+    return {
+        "RECFORGE_HOME": str(home),
+        "AIRFLOW_HOME": str(airflow_home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(root / "plugins"),
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__PARALLELISM": "2",
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{airflow_home / 'airflow.db'}",
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": "8080",
+        "AIRFLOW__API__BASE_URL": "http://127.0.0.1:8080",
+        "AIRFLOW__API_AUTH__JWT_SECRET": jwt_secret(home),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(airflow_home / "simple_auth_manager_passwords.json.generated"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow' / 'mlflow.db'}",
+        "RECFORGE_MLFLOW_ARTIFACTS": str(home / "mlflow" / "artifacts"),
+        "MLFLOW_UI": "http://127.0.0.1:5000",
+    }
+
+
+def apply_embedded_env(home: Path | None = None) -> dict[str, str]:
+    """Fill in whatever the caller's environment does not already set."""
+    env = embedded_env(home)
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    return {k: os.environ[k] for k in env}
+
+
+if __name__ == "__main__":
+    for k, v in embedded_env().items():
+        print(f"export {k}={shlex.quote(v)}")

@@ -1,0 +1,20 @@
+"""Metric logging for training workers (a separate process that only knows the run id)."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from mlflow import MlflowClient
+
+
+@lru_cache(maxsize=4)
+def _client(tracking_uri: str) -> MlflowClient:
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int) -> None:
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    _client(tracking_uri).log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])

@@ -1,0 +1,18 @@
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+@pytest.fixture
+def recforge_home(tmp_path, monkeypatch):
+    """An isolated $RECFORGE_HOME with its own MLflow SQLite store."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("RECFORGE_HOME", str(home))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow' / 'mlflow.db'}")
+    monkeypatch.setenv("RECFORGE_MLFLOW_ARTIFACTS", str(home / "mlflow" / "artifacts"))
+    return home
