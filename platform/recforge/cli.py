@@ -171,6 +171,18 @@ def demo(rows_per_day: int = 200_000, workers: int = 2, epochs: int = 1):
     console.print(how_to_open())
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(ctx: typer.Context, name: str = typer.Argument(..., help="e.g. generator, embeddings, compile")):
+    """Run bench/bench_NAME.py (extra arguments pass through); results go to bench/results/."""
+    from recforge.tracking.paths import repo_root
+
+    script = repo_root() / "bench" / f"bench_{name}.py"
+    if not script.exists():
+        available = sorted(p.stem.removeprefix("bench_") for p in (repo_root() / "bench").glob("bench_*.py"))
+        raise typer.BadParameter(f"no benchmark {name!r}; available: {available}")
+    raise typer.Exit(subprocess.call([sys.executable, str(script), *ctx.args]))
+
+
 def _progress() -> Progress:
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                     TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console)
