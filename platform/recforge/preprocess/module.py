@@ -1,0 +1,90 @@
+"""PreprocessModule: a plan compiled into grouped tensor ops, exportable with torch.export.
+
+Features whose op chains are the same (up to per-column parameters: sigrid_hash's M) form one group and run
+as one [B, g] tensor op per step ("horizontal fusion" at the torch level); outputs are put back in plan order
+with a fixed column permutation. No per-row Python, no data-dependent control flow.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import Tensor, nn
+
+from recforge.config import DatasetConfig
+from recforge.preprocess.plan import FeaturePlan, Plan
+from recforge.preprocess.steps import PER_COLUMN, build_step
+
+
+def _chain_key(f: FeaturePlan) -> tuple:
+    return tuple(
+        (s.op, json.dumps({k: v for k, v in s.params.items() if k not in PER_COLUMN.get(s.op, ())}, sort_keys=True))
+        for s in f.ops
+    )
+
+
+class _Group(nn.Module):
+    def __init__(self, kind: str, source_kind: str, features: list[FeaturePlan], columns: list[int]):
+        super().__init__()
+        self.kind, self.source_kind = kind, source_kind
+        self.names = [f.name for f in features]
+        self.register_buffer("index", torch.tensor(columns, dtype=torch.int64), persistent=False)
+        self.steps = nn.ModuleList(
+            build_step(spec.op, spec.params, [f.ops[i].params for f in features], source_kind)
+            for i, spec in enumerate(features[0].ops)
+        )
+
+    def forward(self, raw: Tensor, valid: Tensor) -> Tensor:
+        x = raw.index_select(1, self.index)
+        v = valid.index_select(1, self.index)
+        for step in self.steps:
+            x = step(x, v)
+        return x
+
+
+class PreprocessModule(nn.Module):
+    """forward(dense int64[B, Fd_in], dense_valid bool, sparse int64[B, Fs_in], sparse_valid bool)
+    -> (dense_out float32[B, plan dense], ids int64[B, plan sparse]); inputs in dataset column order."""
+
+    def __init__(self, plan: Plan, dataset: DatasetConfig):
+        super().__init__()
+        plan.validate_for(dataset)
+        self.plan, self.dataset = plan, dataset
+        self.num_dense_in, self.num_sparse_in = len(dataset.dense), len(dataset.sparse)
+        where = {n: ("dense", j) for j, n in enumerate(dataset.dense_names)}
+        where |= {n: ("sparse", j) for j, n in enumerate(dataset.sparse_names)}
+        grouped: dict[tuple, list[FeaturePlan]] = {}
+        for f in plan.features:
+            grouped.setdefault((f.kind, where[f.source][0], _chain_key(f)), []).append(f)
+        self.groups = nn.ModuleList(
+            _Group(kind, src, fs, [where[f.source][1] for f in fs]) for (kind, src, _), fs in grouped.items()
+        )
+        for kind, names in (("dense", plan.dense_features()), ("sparse", plan.sparse_features())):
+            order = [n for g in self.groups if g.kind == kind for n in g.names]  # concatenation order
+            perm = [order.index(n) for n in names]
+            self.register_buffer(f"{kind}_perm", torch.tensor(perm, dtype=torch.int64), persistent=False)
+            setattr(self, f"_{kind}_permute", perm != list(range(len(perm))))
+
+    def forward(
+        self, dense: Tensor, dense_valid: Tensor, sparse: Tensor, sparse_valid: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        if dense.shape[1] != self.num_dense_in or sparse.shape[1] != self.num_sparse_in:
+            raise ValueError(
+                f"PreprocessModule: expected {self.num_dense_in} dense and {self.num_sparse_in} sparse raw columns, "
+                f"got {dense.shape[1]} and {sparse.shape[1]}"
+            )
+        parts: dict[str, list[Tensor]] = {"dense": [], "sparse": []}
+        for g in self.groups:
+            raw, valid = (dense, dense_valid) if g.source_kind == "dense" else (sparse, sparse_valid)
+            parts[g.kind].append(g(raw, valid))
+        rows = dense.shape[0]
+        dense_out = self._assemble(parts["dense"], self.dense_perm, self._dense_permute, dense, rows, torch.float32)
+        ids = self._assemble(parts["sparse"], self.sparse_perm, self._sparse_permute, sparse, rows, torch.int64)
+        return dense_out, ids
+
+    @staticmethod
+    def _assemble(parts: list[Tensor], perm: Tensor, permute: bool, like: Tensor, rows, dtype) -> Tensor:
+        if not parts:
+            return like.new_zeros((rows, 0), dtype=dtype)
+        out = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        return out.index_select(1, perm) if permute else out

@@ -1,0 +1,157 @@
+"""Every torch op in recforge.preprocess.ops vs the numpy reference, on edge-case inputs (hypothesis)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from recforge.preprocess import ops, reference as ref
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FAST = settings(max_examples=60, deadline=None)
+
+floats32 = st.one_of(
+    st.floats(width=32, allow_nan=True, allow_infinity=True),
+    st.floats(0.0, 1.0, width=32),
+    st.sampled_from([0.0, -0.0, 1.0, -1.0, 1e-5, 0.99999, float("nan"), float("inf"), float("-inf")]),
+)
+int64s = st.one_of(
+    st.integers(INT64_MIN, INT64_MAX), st.sampled_from([0, 1, -1, INT64_MIN, INT64_MAX, 2**24 + 1, 2**53 + 1]),
+    st.integers(-100, 100),
+)
+float_cols = hnp.arrays(np.float32, st.integers(0, 40), elements=floats32)  # includes B = 0
+int_cols = hnp.arrays(np.int64, st.integers(0, 40), elements=int64s)
+
+
+def close(actual: torch.Tensor, expected: np.ndarray) -> None:
+    assert actual.dtype == torch.float32 and expected.dtype == np.float32
+    np.testing.assert_allclose(actual.numpy(), expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@FAST
+@given(x=int_cols, data=st.data(), value=st.one_of(st.integers(-5, 5), st.floats(-3, 3)))
+def test_fill_null_dense(x, data, value):
+    valid = data.draw(hnp.arrays(np.bool_, x.shape))
+    got = ops.fill_null(torch.from_numpy(x), torch.from_numpy(valid), value, "dense")
+    expected = ref.fill_null_ref(x, valid, value, "dense")
+    assert got.dtype == torch.float32
+    np.testing.assert_array_equal(got.numpy(), expected)
+    assert (got.numpy()[~valid] == np.float32(value)).all()
+
+
+@FAST
+@given(x=int_cols, data=st.data(), value=st.integers(-5, 5))
+def test_fill_null_sparse(x, data, value):
+    valid = data.draw(hnp.arrays(np.bool_, x.shape))
+    got = ops.fill_null(torch.from_numpy(x), torch.from_numpy(valid), value, "sparse")
+    assert got.dtype == torch.int64
+    np.testing.assert_array_equal(got.numpy(), ref.fill_null_ref(x, valid, value, "sparse"))
+    np.testing.assert_array_equal(got.numpy()[valid], x[valid])  # valid values pass through, extremes included
+
+
+def test_fill_null_uses_the_mask_not_the_value():
+    x = torch.tensor([0, 7, 0, -3])
+    valid = torch.tensor([True, False, False, True])
+    assert ops.fill_null(x, valid, 9, "sparse").tolist() == [0, 9, 9, -3]
+    assert ops.fill_null(x, valid, 0.5, "dense").tolist() == [0.0, 0.5, 0.5, -3.0]
+    assert ops.fill_null(x, valid, 4.0, "sparse").tolist() == [0, 4, 4, -3]
+    with pytest.raises(ValueError, match="kind"):
+        ops.fill_null(x, valid, 0, "wide")
+    with pytest.raises(ValueError, match="integer"):
+        ops.fill_null(x, valid, 0.5, "sparse")
+
+
+@FAST
+@given(x=float_cols, eps=st.sampled_from([1e-5, 1e-3, 0.25]))
+def test_logit(x, eps):
+    close(ops.logit(torch.from_numpy(x), eps), ref.logit_ref(x, eps))
+
+
+def test_logit_known_values():
+    y = ops.logit(torch.tensor([0.5, 0.0, 1.0, float("inf"), float("-inf")]), 1e-5)
+    assert y[0].item() == 0.0
+    assert y[1].item() == pytest.approx(np.log(1e-5 / (1 - 1e-5)), rel=1e-4)
+    assert y[2].item() == pytest.approx(-y[1].item(), rel=1e-3)  # float32: 1 - (1 - eps) loses digits
+    assert y[3].item() == y[2].item() and y[4].item() == y[1].item()
+    assert torch.isnan(ops.logit(torch.tensor([float("nan")]))).all()
+
+
+@FAST
+@given(x=float_cols, lmbda=st.sampled_from([0.0, 0.5, -1.0, 2.0, 0.25]))
+def test_boxcox(x, lmbda):
+    close(ops.boxcox(torch.from_numpy(x), lmbda), ref.boxcox_ref(x, lmbda))
+
+
+def test_boxcox_known_values():
+    x = torch.tensor([np.e, 4.0, -2.0, 0.0])
+    np.testing.assert_allclose(ops.boxcox(x, 0.0).numpy(), [1.0, np.log(4.0), -2.0, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(ops.boxcox(x, 0.5).numpy(), [2 * (np.sqrt(np.e) - 1), 2.0, -2.0, 0.0], rtol=1e-6)
+
+
+@FAST
+@given(
+    x=float_cols,
+    borders=st.lists(st.floats(-1e6, 1e6, width=32), min_size=1, max_size=6, unique=True).map(sorted),
+)
+def test_bucketize(x, borders):
+    got = ops.bucketize(torch.from_numpy(x), borders)
+    assert got.dtype == torch.int64
+    np.testing.assert_array_equal(got.numpy(), ref.bucketize_ref(x, borders))
+
+
+def test_bucketize_ties_count_strictly_greater():
+    y = ops.bucketize(torch.tensor([0.5, 0.6, 1.0, 2.0, -1.0, float("nan"), float("inf")]), [0.5, 1.0, 1.5])
+    assert y.tolist() == [0, 1, 1, 3, 0, 0, 3]
+
+
+@FAST
+@given(x=float_cols, lo=st.floats(-10, 10, width=32), width=st.floats(0, 10, width=32))
+def test_clamp_float(x, lo, width):
+    hi = float(np.float32(lo + width))
+    close(ops.clamp(torch.from_numpy(x), lo, hi), ref.clamp_ref(x, lo, hi))
+
+
+@FAST
+@given(x=int_cols, lo=st.integers(-1000, 1000), width=st.integers(0, 1000))
+def test_clamp_int(x, lo, width):
+    got = ops.clamp(torch.from_numpy(x), lo, lo + width)
+    assert got.dtype == torch.int64
+    np.testing.assert_array_equal(got.numpy(), ref.clamp_ref(x, lo, lo + width))
+
+
+@FAST
+@given(
+    x=hnp.arrays(np.int64, st.tuples(st.integers(0, 10), st.integers(1, 6)), elements=int64s),
+    X=st.integers(1, 8),
+)
+def test_firstx(x, X):
+    got = ops.firstx(torch.from_numpy(x), X)
+    assert got.shape == (x.shape[0], min(X, x.shape[1]))
+    np.testing.assert_array_equal(got.numpy(), ref.firstx_ref(x, X))
+
+
+def test_firstx_rejects_zero():
+    with pytest.raises(ValueError, match="X must be >= 1"):
+        ops.firstx(torch.zeros(2, 3, dtype=torch.int64), 0)
+
+
+@FAST
+@given(x=int_cols, salt=st.sampled_from([0, 1, -5, INT64_MAX]), M=st.sampled_from([1, 2, 1460, 10131227, 2**31 - 1]))
+def test_sigrid_hash_single_modulus(x, salt, M):
+    got = ops.sigrid_hash(torch.from_numpy(x), salt, M)
+    np.testing.assert_array_equal(got.numpy(), ref.sigrid_hash_np(x, salt, M))
+    assert ((got >= 0) & (got < M)).all()
+
+
+@FAST
+@given(
+    x=hnp.arrays(np.int64, st.tuples(st.integers(0, 12), st.just(3)), elements=int64s),
+    ms=st.lists(st.sampled_from([1, 2, 583, 1460, 100_000, 2**31 - 1]), min_size=3, max_size=3),
+)
+def test_sigrid_hash_per_column_moduli(x, ms):
+    got = ops.sigrid_hash(torch.from_numpy(x), 0, torch.tensor(ms))
+    for j, m in enumerate(ms):
+        np.testing.assert_array_equal(got[:, j].numpy(), ref.sigrid_hash_np(x[:, j], 0, m))
