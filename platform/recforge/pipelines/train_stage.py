@@ -16,6 +16,7 @@ def train(ctx: RunContext) -> dict[str, Any]:
     def body(w, store, run_id):
         from recforge.elastic.job import run_training_job
         from recforge.elastic.local import LocalBackend
+        from recforge.elastic.master import shard_rows_from_manifest
         from recforge.elastic.policy import StaticPolicy
 
         cfg = ctx.config
@@ -37,11 +38,11 @@ def train(ctx: RunContext) -> dict[str, Any]:
                                   "model": cfg.model.model_dump(mode="json")})
         result = run_training_job(
             spec,
-            manifest_dir=manifest_dir,
+            shard_rows_from_manifest(manifest_dir),
             resources=cfg.resources.model_copy(update={"workers": plan["workers"],
                                                        "threads_per_worker": plan["threads_per_worker"]}),
             policy=StaticPolicy(cfg.resources),
-            backend=LocalBackend(),
+            backend=LocalBackend(max_restarts=cfg.resources.max_restarts, log_dir=w.tmp / "logs"),
             state_dir=w.tmp / "master",
         )
         worker = json.loads((w.tmp / "worker" / "result.json").read_text())
