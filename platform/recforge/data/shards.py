@@ -1,0 +1,61 @@
+"""Row-range reads of ingested shards (the trainer's data-shard tasks)."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from recforge.data.manifest import MANIFEST_NAME, Manifest
+
+
+@functools.lru_cache(maxsize=16)
+def _manifest(directory: str, stamp: tuple[int, int, int]) -> Manifest:
+    return Manifest.load(directory)
+
+
+class _OpenShard:
+    def __init__(self, path: Path):
+        self.file = pq.ParquetFile(path)
+        meta = self.file.metadata
+        self.num_rows = meta.num_rows
+        # first row of each row group, plus the end
+        self.starts = np.concatenate(([0], np.cumsum([meta.row_group(i).num_rows for i in range(meta.num_row_groups)])))
+
+
+@functools.lru_cache(maxsize=64)
+def _open(path: str, stamp: tuple[int, int, int]) -> _OpenShard:
+    return _OpenShard(Path(path))
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
+    """Identity of a file version: a re-ingest (new inode / mtime / size) invalidates the caches."""
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def open_manifest(manifest_dir: str | Path) -> Manifest:
+    """Manifest.load with a per-process cache (reloaded when manifest.json changes)."""
+    directory = Path(manifest_dir).resolve()
+    return _manifest(str(directory), _stamp(directory / MANIFEST_NAME))
+
+
+def read_rows(manifest_dir: str | Path, shard_index: int, row_start: int, row_end: int) -> pa.RecordBatch:
+    """Rows [row_start, row_end) of shard `shard_index`, reading only the row groups that hold them."""
+    manifest = open_manifest(manifest_dir)
+    path = manifest.shard_path(shard_index)
+    shard = _open(str(path), _stamp(path))
+    if not 0 <= row_start <= row_end <= shard.num_rows:
+        raise IndexError(
+            f"read_rows: rows [{row_start}, {row_end}) out of range for shard {shard_index} ({path.name}) with {shard.num_rows} rows"
+        )
+    schema = shard.file.schema_arrow
+    if row_start == row_end:
+        return pa.RecordBatch.from_arrays([pa.array([], type=f.type) for f in schema], schema=schema)
+    first = int(np.searchsorted(shard.starts, row_start, side="right")) - 1
+    last = int(np.searchsorted(shard.starts, row_end, side="left")) - 1
+    table = shard.file.read_row_groups(list(range(first, last + 1)), use_threads=False)
+    table = table.slice(row_start - int(shard.starts[first]), row_end - row_start)
+    return table.combine_chunks().to_batches()[0]
