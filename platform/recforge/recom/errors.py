@@ -1,0 +1,18 @@
+"""Errors raised by the compile stage; each message says what failed and what to change."""
+from __future__ import annotations
+
+
+class RecomError(Exception):
+    """Base class of compile-stage errors."""
+
+
+class NotOneHotError(RecomError, ValueError):
+    """A lookup cannot be lowered to a plain gather: one id per row per feature is not proven."""
+
+
+class UnsupportedModelError(RecomError, TypeError):
+    """The model is not a single-device torchrec DLRM (or subclass) this stage knows how to lower."""
+
+
+class CompileMismatchError(RecomError, AssertionError):
+    """A compiled model's outputs differ from the eager reference by more than the tolerance."""
