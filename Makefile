@@ -1,0 +1,85 @@
+# recforge: the commands README names. `make demo` and `make test` set everything up on first use.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTHON ?= python3
+PYTEST_TIMEOUT ?= 900
+PYTEST_ARGS ?=
+BENCH_ARGS ?=
+
+.PHONY: help venv test demo up down status bench clean distclean lock sysdeps
+
+help:
+	@echo "make demo      build the venv if needed, run 'recforge demo'"
+	@echo "make test      build the venv if needed, run the test suite (unit, integration, e2e)"
+	@echo "make up        start Airflow (http://127.0.0.1:8080) and MLflow (http://127.0.0.1:5000) locally"
+	@echo "make down      stop them;  make status: show them"
+	@echo "make bench     run every bench/bench_*.py (BENCH_ARGS=... passes arguments)"
+	@echo "make venv      (re)install .venv from requirements/ and the lock"
+	@echo "make lock      regenerate requirements/lock.txt from .venv"
+	@echo "make sysdeps   install chromium + chromium-driver (root, Debian) for the browser tests"
+	@echo "make clean     remove .recforge/ (runs, stores, logs; keeps .venv);  make distclean: also .venv"
+
+# The venv is a file target: built when missing, reinstalled when the requirements or pyproject change.
+venv: $(STAMP)
+
+$(STAMP): $(wildcard requirements/*.txt) pyproject.toml scripts/install.sh
+	PYTHON=$(PYTHON) scripts/install.sh $(VENV) all
+	@touch $@
+
+# Browser tests need Debian's chromium + chromedriver; install them when missing and we may (root).
+sysdeps:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then \
+	    :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing chromium + chromium-driver (apt)"; \
+	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver; \
+	else \
+	    echo "warning: chromium / chromedriver missing and not installable here (needs root + apt-get):" \
+	         "browser tests will be skipped. Run 'sudo make sysdeps' to enable them." >&2; \
+	fi
+
+# pytest exits 5 when it collected nothing: that fails too (it is a nonzero status; said out loud here).
+test: sysdeps $(STAMP)
+	@timeout_arg=""; \
+	if $(PY) -c 'import pytest_timeout' 2>/dev/null; then timeout_arg="--timeout=$(PYTEST_TIMEOUT)"; fi; \
+	rc=0; $(PY) -m pytest -q -p no:cacheprovider $$timeout_arg $(PYTEST_ARGS) tests || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5): failing" >&2; fi; \
+	exit $$rc
+
+demo: $(STAMP)
+	. scripts/env.sh && $(VENV)/bin/recforge demo
+
+up: $(STAMP)
+	scripts/services.sh up
+
+down:
+	scripts/services.sh down
+
+status:
+	scripts/services.sh status
+
+bench: $(STAMP)
+	@shopt -s nullglob; files=(bench/bench_*.py); failed=(); \
+	if [ $${#files[@]} -eq 0 ]; then echo "no bench/bench_*.py yet"; exit 0; fi; \
+	for f in "$${files[@]}"; do \
+	    echo "=== $$f $(BENCH_ARGS)"; \
+	    $(PY) "$$f" $(BENCH_ARGS) || failed+=("$$f"); \
+	done; \
+	if [ $${#failed[@]} -gt 0 ]; then echo "failed: $${failed[*]}" >&2; exit 1; fi
+
+# Stops the services of this checkout's .recforge first (their pid files live there).
+clean:
+	@if compgen -G ".recforge/run/*.pid" >/dev/null; then RECFORGE_HOME="$(CURDIR)/.recforge" scripts/services.sh down; fi
+	rm -rf .recforge
+
+distclean: clean
+	rm -rf $(VENV)
+
+lock:
+	scripts/lock.sh $(VENV)
+	@if [ -f $(STAMP) ]; then touch $(STAMP); fi

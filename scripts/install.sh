@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Build recforge's Python environment in a virtualenv. The Makefile and the Dockerfile both call this,
+# so a laptop and an image install the same things in the same order from the same lock:
+#   1. pip itself, pinned by requirements/lock.txt
+#   2. torch.txt + base.txt + test.txt, constrained by the lock
+#   3. nodeps.txt (torchrec) with --no-deps: its declared dependency is the CUDA fbgemm-gpu
+#   4. recforge itself, editable, --no-deps
+# usage: scripts/install.sh VENV [deps|project|all]      (deps = steps 1-3, project = step 4)
+# env:   PYTHON       interpreter that creates the venv (default python3; must be 3.11)
+#        TORCH_SPEC   replaces requirements/torch.txt, e.g. "torch==2.13.0 fbgemm-gpu==1.8.0" for CUDA builds;
+#                     the lock's torch / fbgemm pins are then dropped and CUDA packages are allowed.
+#                     Point pip at the matching index with PIP_EXTRA_INDEX_URL.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${1:?usage: scripts/install.sh VENV [deps|project|all]}
+PHASE=${2:-all}
+REQ=$ROOT/requirements
+LOCK=$REQ/lock.txt
+TORCH_SPEC=${TORCH_SPEC:-}
+
+say() { printf '[install] %s\n' "$*"; }
+
+case $PHASE in deps|project|all) ;; *) echo "unknown phase: $PHASE" >&2; exit 2 ;; esac
+
+fresh=0
+if [[ ! -x $VENV/bin/python ]]; then
+    say "creating virtualenv $VENV"
+    "${PYTHON:-python3}" -m venv "$VENV"
+    fresh=1
+fi
+PY=$VENV/bin/python
+"$PY" -c 'import sys; assert sys.version_info[:2] == (3, 11), "recforge needs Python 3.11, got " + sys.version' \
+    || { echo "$VENV is not a Python 3.11 venv; remove it (make distclean) or set PYTHON" >&2; exit 1; }
+PIP=("$PY" -m pip --disable-pip-version-check)
+# pip install, minus the per-package warnings about absent find-links / file:// index folders
+pip_install() {
+    "${PIP[@]}" install "$@" 2>&1 | { grep -v --line-buffered 'is neither a file nor a directory' || true; }
+}
+
+constraints=$LOCK
+torch_args=(-r "$REQ/torch.txt")
+if [[ -n $TORCH_SPEC ]]; then
+    # The lock pins CPU builds; a custom torch needs the lock without its torch / fbgemm lines.
+    constraints=$(mktemp)
+    trap 'rm -f "$constraints"' EXIT
+    grep -viE '^(torch|fbgemm[-_]gpu[-_a-z]*)==' "$LOCK" >"$constraints"
+    read -r -a torch_args <<<"$TORCH_SPEC"
+fi
+
+if [[ $PHASE != project ]]; then
+    say "1/4 pip"
+    pip_install --quiet --upgrade pip -c "$constraints"
+    say "2/4 requirements (constrained by $(basename "$LOCK"))"
+    pip_install "${torch_args[@]}" -r "$REQ/base.txt" -r "$REQ/test.txt" -c "$constraints"
+    if [[ -z $TORCH_SPEC ]] && "${PIP[@]}" show --quiet fbgemm-gpu >/dev/null 2>&1; then
+        # An earlier install without --no-deps let torchrec pull the CUDA fbgemm-gpu over fbgemm-gpu-cpu
+        # (both own the fbgemm_gpu/ directory): remove it and restore the CPU build's files.
+        say "removing the CUDA fbgemm-gpu and restoring fbgemm-gpu-cpu"
+        "${PIP[@]}" uninstall --yes fbgemm-gpu
+        pip_install --force-reinstall --no-deps fbgemm-gpu-cpu -c "$constraints"
+    fi
+    say "3/4 torchrec (--no-deps)"
+    pip_install --no-deps -r "$REQ/nodeps.txt" -c "$constraints"
+fi
+
+if [[ $PHASE != deps ]]; then
+    say "4/4 recforge (editable, --no-deps)"
+    pip_install --quiet --no-deps -e "$ROOT"
+fi
+
+# Guards: a CPU install contains no CUDA packages unless the lock pins them, and the compiled stack imports.
+if [[ -z $TORCH_SPEC ]]; then
+    cuda=$("${PIP[@]}" list --format=freeze | grep -iE '^(nvidia-|fbgemm[-_]gpu==|triton==|cuda-)' \
+        | grep -vixF -f <(grep -v '^#' "$LOCK") || true)
+    if [[ -n $cuda ]]; then
+        if ((fresh)); then
+            echo "CUDA packages were pulled into a CPU install (not pinned in $LOCK):" >&2; echo "$cuda" >&2; exit 1
+        fi
+        # an existing venv: somebody installed them by hand; say so, the lock does not know them
+        echo "[install] warning: $VENV has CUDA packages that requirements/lock.txt does not pin" \
+             "(installed by hand? pin them in the lock or remove them):" >&2
+        sed 's/^/[install]   /' <<<"$cuda" >&2
+    fi
+fi
+if [[ -z $TORCH_SPEC ]]; then
+    "$PY" -c 'import torch, fbgemm_gpu, torchrec; print("[install] torch", torch.__version__, "+ fbgemm_gpu + torchrec import")'
+else  # CUDA fbgemm links the driver's libnvidia-ml, absent on a build host without a GPU
+    "$PY" -c 'import torch; print("[install] torch", torch.__version__, "(CUDA build: fbgemm/torchrec import checked on a GPU node)")'
+fi
