@@ -1,0 +1,106 @@
+"""A rank's batches for one epoch: lease data-shard tasks, read their rows, cut, pad, preprocess."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import pyarrow as pa
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recforge.config import DatasetConfig
+from recforge.data.schema import empty_batch
+from recforge.data.shards import read_rows
+from recforge.preprocess.batch import RawBatch
+from recforge.preprocess.executor import Executor
+
+log = logging.getLogger(__name__)
+
+
+class TaskClient(Protocol):
+    """The part of recforge.elastic.client.MasterClient the trainer uses."""
+
+    def lease(self): ...
+    def done(self, task_id: str, samples: int) -> bool: ...
+
+
+@dataclass
+class Batch:
+    dense: torch.Tensor  # float32[B, Fd]
+    sparse: KeyedJaggedTensor
+    labels: torch.Tensor  # float32[B]
+    weights: torch.Tensor  # float32[B]: 1 real row, 0 padding
+    real: int  # number of real rows
+    task_id: str | None = None
+    last_of_task: bool = False
+
+
+def slice_raw(raw: RawBatch, start: int, end: int) -> RawBatch:
+    return RawBatch(**{f.name: getattr(raw, f.name)[start:end] for f in dataclasses.fields(raw)})
+
+
+def prepare(raw: RawBatch, batch_size: int, executor: Executor, device: torch.device) -> Batch:
+    """Pad `raw` to batch_size with zero-weight rows and preprocess it."""
+    padded, weights = raw.pad_to(batch_size)
+    dense, kjt = executor(padded.to(device))
+    return Batch(dense=dense, sparse=kjt, labels=padded.label.to(device), weights=weights.to(device), real=raw.rows)
+
+
+def empty(dataset: DatasetConfig, batch_size: int, executor: Executor, device: torch.device) -> Batch:
+    """A fully zero-weight batch: what a rank without data trains so the collectives stay matched."""
+    return prepare(RawBatch.from_arrow(empty_batch(dataset), dataset), batch_size, executor, device)
+
+
+class TaskBatches:
+    """Iterates this rank's batches of the current epoch; None once the master has no task left for it.
+
+    The caller trains each batch, then calls `trained(batch)`: after a task's last batch that reports
+    the task done (with its real row count) to the master, so a task is never marked done before its
+    rows have been trained on.
+    """
+
+    def __init__(
+        self, client: TaskClient, manifest_dir: str | Path, dataset: DatasetConfig, executor: Executor,
+        batch_size: int, device: torch.device,
+    ) -> None:
+        self.client, self.manifest_dir, self.dataset = client, Path(manifest_dir), dataset
+        self.executor, self.batch_size, self.device = executor, batch_size, device
+        self._raw: RawBatch | None = None
+        self._task = None
+        self._offset = 0
+        self._exhausted = False
+        self.tasks_done = 0
+
+    def next(self) -> Batch | None:
+        while self._raw is None or self._offset >= self._raw.rows:
+            if self._exhausted or not self._lease():
+                self._exhausted = True
+                return None
+        start, end = self._offset, min(self._offset + self.batch_size, self._raw.rows)
+        self._offset = end
+        batch = prepare(slice_raw(self._raw, start, end), self.batch_size, self.executor, self.device)
+        batch.task_id = self._task.task_id
+        batch.last_of_task = end >= self._raw.rows
+        return batch
+
+    def trained(self, batch: Batch) -> None:
+        if batch.last_of_task and batch.task_id is not None:
+            self.client.done(batch.task_id, samples=self._raw.rows)
+            self.tasks_done += 1
+            self._raw, self._task = None, None
+
+    def _lease(self) -> bool:
+        task = self.client.lease()
+        if task is None:
+            return False
+        rb: pa.RecordBatch = read_rows(self.manifest_dir, task.shard, task.row_start, task.row_end)
+        if rb.num_rows != task.row_end - task.row_start:
+            raise RuntimeError(f"task {task.task_id}: read {rb.num_rows} rows, expected {task.row_end - task.row_start}")
+        self._task, self._raw, self._offset = task, RawBatch.from_arrow(rb, self.dataset), 0
+        if self._raw.rows == 0:  # an empty task: nothing to train, done at once
+            self.client.done(task.task_id, samples=0)
+            self._raw = None
+        return True

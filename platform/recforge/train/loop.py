@@ -1,0 +1,124 @@
+"""The synchronous step loop: every rank steps in lockstep, padded batches, exact loss normalization.
+
+Per step one all_reduce of [has_data, real_rows] decides whether the epoch goes on (some rank still
+has data) and gives the global weight for the loss (recforge.train.loss). A rank without data trains
+a fully zero-weight batch, so TorchRec's all-to-alls always see equal batch sizes.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from recforge.train.batches import Batch, TaskBatches
+from recforge.train.loss import step_loss
+from recforge.train.sharding import ShardedModel
+
+log = logging.getLogger(__name__)
+
+MetricsSink = Callable[[dict[str, float], int], None]  # (metrics, step); called on rank 0 only
+
+
+@dataclass
+class EpochStats:
+    epoch: int
+    steps: int = 0
+    samples: int = 0  # real rows trained, all ranks
+    loss_sum: float = 0.0  # weighted BCE summed over those rows
+    wall_s: float = 0.0
+    tasks_done: int = 0  # this rank's
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.samples if self.samples else float("nan")
+
+
+@dataclass
+class LoopState:
+    step: int = 0
+    epochs: list[EpochStats] = field(default_factory=list)
+    last_window_loss: float = float("nan")
+
+
+class Heartbeat:
+    def __init__(self, client, interval_s: float) -> None:
+        self.client, self.interval_s, self._last = client, interval_s, time.monotonic()
+
+    def maybe(self, step: int) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.interval_s:
+            self.client.heartbeat(step)
+            self._last = now
+
+
+def _all_reduce(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def train_epoch(
+    sharded: ShardedModel,
+    source: TaskBatches,
+    empty_batch: Batch,
+    state: LoopState,
+    *,
+    epoch: int,
+    world_size: int,
+    log_every: int,
+    heartbeat: Heartbeat | None = None,
+    sink: MetricsSink | None = None,
+    rank: int = 0,
+) -> EpochStats:
+    model, opt = sharded.model, sharded.optimizer
+    model.train()
+    stats = EpochStats(epoch=epoch)
+    t0 = win_t0 = time.perf_counter()
+    win_loss, win_samples = 0.0, 0
+    while True:
+        batch = source.next()
+        has_data, real = (1.0, float(batch.real)) if batch is not None else (0.0, 0.0)
+        g_has, g_real = _all_reduce([has_data, real])
+        if g_has == 0:
+            break
+        b = batch if batch is not None else empty_batch
+        logits = model(b.dense, b.sparse)
+        loss, local_sum = step_loss(logits, b.labels, b.weights, g_real, world_size)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if batch is not None:
+            source.trained(batch)
+        state.step += 1
+        stats.steps += 1
+        win_loss += float(local_sum)
+        win_samples += b.real if batch is not None else 0
+        if heartbeat is not None:
+            heartbeat.maybe(state.step)
+        if state.step % log_every == 0:
+            g_loss, g_samples = _all_reduce([win_loss, float(win_samples)])
+            now = time.perf_counter()
+            state.last_window_loss = g_loss / max(g_samples, 1.0)
+            stats.loss_sum += g_loss
+            stats.samples += int(g_samples)
+            if rank == 0:
+                sps = g_samples / max(now - win_t0, 1e-9)
+                log.info("epoch %d step %d: train loss %.5f, %.0f samples/s", epoch, state.step, state.last_window_loss, sps)
+                if sink is not None:
+                    sink({"train_loss": state.last_window_loss, "samples_per_s": sps}, state.step)
+            win_t0, win_loss, win_samples = now, 0.0, 0
+    g_loss, g_samples = _all_reduce([win_loss, float(win_samples)])
+    if g_samples:
+        state.last_window_loss = g_loss / g_samples
+    stats.loss_sum += g_loss
+    stats.samples += int(g_samples)
+    stats.wall_s = time.perf_counter() - t0
+    stats.tasks_done = source.tasks_done
+    state.epochs.append(stats)
+    if rank == 0:
+        log.info("epoch %d done: %d steps, %d samples, loss %.5f, %.1fs", epoch, stats.steps, stats.samples, stats.loss, stats.wall_s)
+    return stats

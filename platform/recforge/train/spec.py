@@ -1,0 +1,58 @@
+"""The worker spec: everything one training worker needs, written by the launcher as JSON."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from recforge.config import DatasetConfig, ModelConfig, TrainConfig
+
+
+class WorkerSpec(BaseModel):
+    """`python -m recforge.train.worker SPEC_JSON` reads one of these (the same file for every rank)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    manifest_dir: Path = Field(description="directory holding manifest.json of the training shards")
+    plan_path: Path = Field(description="preprocessing Plan as JSON")
+    dataset: DatasetConfig
+    model: ModelConfig
+    train: TrainConfig
+    master_url: str = Field(min_length=1, description="job master base URL, e.g. http://127.0.0.1:PORT")
+    checkpoint_dir: Path = Field(description="DCP checkpoint written here at the end (temp + rename)")
+    output_dir: Path = Field(description="rank 0 writes result.json and probe.pt here")
+    threads_per_worker: int = Field(1, ge=1)
+    seed: int = 0
+    tracking_uri: str | None = None
+    mlflow_run_id: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "WorkerSpec":
+        if self.mlflow_run_id is not None and not self.tracking_uri:
+            raise ValueError("tracking_uri: required when mlflow_run_id is set")
+        if not self.train.fused_embeddings and self.train.sharding in ("table_wise", "column_wise"):
+            raise ValueError(
+                f"train.sharding: {self.train.sharding!r} needs train.fused_embeddings=true; torchrec on CPU "
+                "runs the plain (dense) embedding kernel only with data_parallel sharding (use 'auto' or 'data_parallel')"
+            )
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path) -> "WorkerSpec":
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"worker spec not found: {path}")
+        return cls.model_validate_json(path.read_text())
+
+    def save(self, path: str | Path) -> Path:
+        """Write atomically (temp file + rename) so a launching rank never reads half a spec."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(self.model_dump(mode="json"), indent=2))
+        os.replace(tmp, path)
+        return path
