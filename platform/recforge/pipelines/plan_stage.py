@@ -17,6 +17,10 @@ def plan_resources(ctx: RunContext) -> dict[str, Any]:
         plan_path = w.tmp / "preprocess_plan.json"
         plan.save(plan_path)
         resources = StaticPolicy(cfg.resources).plan(None)
+        dlrover = None
+        if cfg.resources.policy == "dlrover":  # DLRover-RM stage 1: warm start from MLflow history (logs its events)
+            from recforge.tracking.resource_models import plan_with_dlrover
+            resources, dlrover = plan_with_dlrover(store, run_id, cfg, plan.tables(), ctx.outputs("ingest")["train"]["rows"])
         store.log_params(run_id, {"policy": cfg.resources.policy, "workers": resources.workers,
                                   "threads_per_worker": resources.threads_per_worker})
         store.log_artifact(run_id, plan_path)
@@ -26,6 +30,7 @@ def plan_resources(ctx: RunContext) -> dict[str, Any]:
             "threads_per_worker": resources.threads_per_worker,
             "tables": [[name, rows] for name, rows in plan.tables()],
             "num_dense": len(plan.dense_features()),
+            "dlrover": dlrover,
         }
 
     return run_stage(ctx, "plan_resources", body)

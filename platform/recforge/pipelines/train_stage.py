@@ -41,7 +41,8 @@ def train(ctx: RunContext) -> dict[str, Any]:
             shard_rows_from_manifest(manifest_dir),
             resources=cfg.resources.model_copy(update={"workers": plan["workers"],
                                                        "threads_per_worker": plan["threads_per_worker"]}),
-            policy=StaticPolicy(cfg.resources),
+            policy=StaticPolicy(cfg.resources.model_copy(update={"workers": plan["workers"],
+                                                                  "threads_per_worker": plan["threads_per_worker"]})),
             backend=LocalBackend(max_restarts=cfg.resources.max_restarts, log_dir=w.tmp / "logs"),
             state_dir=w.tmp / "master",
         )
@@ -49,6 +50,9 @@ def train(ctx: RunContext) -> dict[str, Any]:
         store.log_metrics(run_id, {"samples_per_s": worker["samples_per_s"], "steps": worker["steps"],
                                    "final_train_loss": worker["final_loss"], "wall_s": worker["wall_s"]})
         store.log_dict(run_id, worker, "result.json")
+        if plan.get("dlrover"):  # DLRover-RM stages 2/3: logged as recommendations until the elastic runtime executes them
+            from recforge.tracking.resource_models import recommend_with_dlrover
+            recommend_with_dlrover(store, run_id, plan["dlrover"], worker, result.per_worker)
         return {
             "checkpoint_dir": str(w.final / "checkpoint"),
             "samples_per_s": worker["samples_per_s"],
