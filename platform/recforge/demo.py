@@ -79,5 +79,5 @@ def how_to_open() -> str:
     pw = Path(env["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"])
     return (
         "Open the UIs: `make up`, then Airflow at http://127.0.0.1:8080 "
-        f"(user admin, password in {pw}) and MLflow at http://127.0.0.1:5000; `make down` stops them."
+        f"(user admin; the password is generated on first start into {pw}) and MLflow at http://127.0.0.1:5000; `make down` stops them."
     )
