@@ -14,9 +14,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from recforge.elastic.simulate.cli import app as simulate_app
+
 app = typer.Typer(help="recforge: train and serve deep learning recommendation models", no_args_is_help=True)
 data_app = typer.Typer(help="raw day files: generate and validate", no_args_is_help=True)
 app.add_typer(data_app, name="data")
+app.add_typer(simulate_app, name="simulate")
 console = Console()
 
 

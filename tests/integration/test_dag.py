@@ -55,7 +55,7 @@ def test_dagbag_imports_cleanly_and_without_heavy_modules(airflow_home):
 @pytest.mark.slow
 def test_dag_test_runs_end_to_end_and_registers_a_model(airflow_home):
     home, env = airflow_home
-    conf = {"rows_per_day": 4000, "workers": 2, "epochs": 1, "batch_size": 256, "seed": 7, "table_cap": 5000}
+    conf = {"rows_per_day": 4000, "workers": 2, "epochs": 1, "batch_size": 64, "seed": 7, "table_cap": 5000}
     proc = subprocess.run([AIRFLOW, "dags", "test", "recforge_daily", "-c", json.dumps(conf)],
                           env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
@@ -77,7 +77,8 @@ def test_dag_test_runs_end_to_end_and_registers_a_model(airflow_home):
         "parent = runs['pipeline']\n"
         "print(json.dumps({'version': v.version, 'status': v.status, 'champion': champ.version if champ else None,\n"
         "  'stages': sorted(runs), 'rows_per_day': parent.data.params.get('rows_per_day'),\n"
-        "  'auc': runs['evaluate'].data.metrics.get('auc')}))\n"
+        "  'auc': runs['evaluate'].data.metrics.get('auc'),\n"
+        "  'train_metrics': sorted(runs['train'].data.metrics)}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     info = json.loads(out.stdout.strip().splitlines()[-1])
@@ -86,3 +87,5 @@ def test_dag_test_runs_end_to_end_and_registers_a_model(airflow_home):
     assert info["stages"] == sorted(["pipeline", "generate", "ingest", "plan_resources", "train", "evaluate", "compile", "publish"])
     assert info["rows_per_day"] == "4000"  # the Param reached the pipeline
     assert 0.0 < info["auc"] <= 1.0
+    # the workers logged windowed training quality every log_every steps
+    assert {"train_auc", "train_logloss", "train_ne", "train_loss", "samples_per_s"} <= set(info["train_metrics"])

@@ -61,6 +61,45 @@ def _all_reduce(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+class WindowMetrics:
+    """Labels and logits of the real rows of the current logging window, gathered to rank 0 at log time.
+
+    AUC is not additive across ranks, so the window's predictions themselves are gathered (a window is
+    log_every * batch_size rows per rank: small)."""
+
+    def __init__(self) -> None:
+        self.labels: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> None:
+        real = weights > 0
+        self.labels.append(labels.detach().reshape(-1)[real].cpu())
+        self.logits.append(logits.detach().reshape(-1)[real].float().cpu())
+
+    def gather(self, world_size: int, rank: int) -> dict[str, float]:
+        """Collective: every rank calls it; rank 0 gets {auc, logloss, ne} of the window (others: {})."""
+        from recforge.train.metrics import auc, logloss, normalized_entropy
+
+        local = (torch.cat(self.labels).numpy() if self.labels else None,
+                 torch.cat(self.logits).numpy() if self.logits else None)
+        self.labels, self.logits = [], []
+        parts = [None] * world_size
+        if world_size > 1:
+            dist.all_gather_object(parts, local)
+        else:
+            parts = [local]
+        if rank != 0:
+            return {}
+        import numpy as np
+
+        labels = np.concatenate([p[0] for p in parts if p[0] is not None and len(p[0])] or [np.zeros(0)])
+        logits = np.concatenate([p[1] for p in parts if p[1] is not None and len(p[1])] or [np.zeros(0)])
+        if len(labels) == 0 or labels.min() == labels.max():
+            return {}  # AUC is undefined on one class
+        return {"train_auc": auc(labels, logits), "train_logloss": logloss(labels, logits),
+                "train_ne": normalized_entropy(labels, logits)}
+
+
 def train_epoch(
     sharded: ShardedModel,
     source: TaskBatches,
@@ -79,6 +118,7 @@ def train_epoch(
     stats = EpochStats(epoch=epoch)
     t0 = win_t0 = time.perf_counter()
     win_loss, win_samples = 0.0, 0
+    window = WindowMetrics()
     while True:
         batch = source.next()
         has_data, real = (1.0, float(batch.real)) if batch is not None else (0.0, 0.0)
@@ -88,6 +128,7 @@ def train_epoch(
         b = batch if batch is not None else empty_batch
         logits = model(b.dense, b.sparse)
         loss, local_sum = step_loss(logits, b.labels, b.weights, g_real, world_size)
+        window.add(logits, b.labels, b.weights)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -101,6 +142,7 @@ def train_epoch(
             heartbeat.maybe(state.step)
         if state.step % log_every == 0:
             g_loss, g_samples = _all_reduce([win_loss, float(win_samples)])
+            quality = window.gather(world_size, rank)
             now = time.perf_counter()
             state.last_window_loss = g_loss / max(g_samples, 1.0)
             stats.loss_sum += g_loss
@@ -109,7 +151,7 @@ def train_epoch(
                 sps = g_samples / max(now - win_t0, 1e-9)
                 log.info("epoch %d step %d: train loss %.5f, %.0f samples/s", epoch, state.step, state.last_window_loss, sps)
                 if sink is not None:
-                    sink({"train_loss": state.last_window_loss, "samples_per_s": sps}, state.step)
+                    sink({"train_loss": state.last_window_loss, "samples_per_s": sps, **quality}, state.step)
             win_t0, win_loss, win_samples = now, 0.0, 0
     g_loss, g_samples = _all_reduce([win_loss, float(win_samples)])
     if g_samples:

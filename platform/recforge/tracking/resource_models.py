@@ -1,0 +1,251 @@
+"""Fitted resource-performance models in MLflow: log one per job, read them back as history.
+
+`log_resource_model` puts into a run:
+  - an MLflow model `resource_model` (pyfunc): input a DataFrame with columns workers, cpu_per_worker,
+    batch_size (optional: servers, cpu_per_server, host_cores, embedding_bytes, step), output columns
+    samples_per_s and memory_bytes. Load it with `load_resource_model(uri)` or mlflow.pyfunc.load_model;
+  - `resource_model/record.json`: the job record (final plan, throughput and memory models, fit errors);
+  - metrics fit_mape / cv_mape / heldout_mape and coef.<term>, params terms, tags the history search uses;
+  - `resource_model/predicted_vs_measured.png` when measured points are given.
+`MlflowHistory` implements recforge.elastic.history.History over those runs. A run whose record is
+missing or corrupt still gives its final plan (tag) and lands in `problems` with the reason.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlflow
+import mlflow.pyfunc
+from mlflow.exceptions import MlflowException
+
+from recforge.elastic.history import JobRecord
+from recforge.elastic.memory_model import MemoryModel
+from recforge.elastic.resource_model import Allocation, ModelFitError, Sample, ThroughputModel
+from recforge.tracking.store import TrackingStore
+
+log = logging.getLogger(__name__)
+
+MODEL_TAG = "recforge.resource_model"
+DATASET_TAG = "recforge.dataset"
+FAMILY_TAG = "recforge.model_family"
+PLAN_TAG = "recforge.final_plan"
+RECORD_FILE = "resource_model/record.json"
+EVENTS_FILE = "resource_model/events.jsonl"
+MODEL_NAME = "resource_model"
+
+
+class ResourceModelPyfunc(mlflow.pyfunc.PythonModel):
+    """Throughput (samples/s) and per-worker memory (bytes) for resource configurations."""
+
+    def load_context(self, context) -> None:
+        record = json.loads(Path(context.artifacts["record"]).read_text())
+        self.throughput = ThroughputModel.from_dict(record["throughput_model"])
+        self.memory = MemoryModel.from_dict(record["memory_model"]) if record.get("memory_model") else None
+
+    def predict(self, context, model_input, params=None):
+        import pandas as pd
+
+        df = pd.DataFrame(model_input)
+        missing = [c for c in ("workers", "cpu_per_worker", "batch_size") if c not in df.columns]
+        if missing:
+            raise ValueError(f"resource model input lacks columns {missing}; got {list(df.columns)}")
+        allocs = []
+        for row in df.to_dict("records"):
+            host = row.get("host_cores")
+            allocs.append(Allocation(int(row["workers"]), float(row["cpu_per_worker"]), int(row["batch_size"]),
+                                     int(row.get("servers", 0) or 0), float(row.get("cpu_per_server", 0) or 0),
+                                     None if host is None or pd.isna(host) else float(host)))
+        out = pd.DataFrame({"samples_per_s": self.throughput.predict(allocs)})
+        if self.memory is not None:
+            emb = df["embedding_bytes"] if "embedding_bytes" in df else 0.0
+            step = df["step"] if "step" in df else 0.0
+            out["memory_bytes"] = self.memory.base_bytes + self.memory.emb_factor * emb + self.memory.growth_per_step * step
+        return out
+
+
+def predicted_vs_measured_figure(model: ThroughputModel, points: Sequence[Sample], held_out: Sequence[Sample] = (),
+                                 title: str = "resource model"):
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for pts, label, marker in ((points, "fitted on", "o"), (held_out, "held out", "^")):
+        if not pts:
+            continue
+        meas = [p.samples_per_s for p in pts]
+        pred = model.predict([p.allocation for p in pts])
+        ax.scatter(meas, pred, label=label, marker=marker, alpha=0.8)
+        for p, x, y in zip(pts, meas, pred):
+            a = p.allocation
+            ax.annotate(f"{a.workers}w{a.cpu_per_worker:g}c b{a.batch_size}", (x, y), fontsize=6, alpha=0.7)
+    every = [p.samples_per_s for p in list(points) + list(held_out)]
+    if every:
+        lo, hi = min(every) * 0.8, max(every) * 1.2
+        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="y = x")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlabel("measured samples/s")
+    ax.set_ylabel("predicted samples/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def log_resource_model(store: TrackingStore, run_id: str, *, model: ThroughputModel, dataset: str, model_family: str,
+                       final_plan: dict[str, Any], memory: MemoryModel | None = None, samples_per_s: float | None = None,
+                       peak_memory_bytes: float | None = None, points: Sequence[Sample] = (),
+                       held_out: Sequence[Sample] = (), metrics: dict[str, float] | None = None,
+                       extra: dict[str, Any] | None = None) -> str:
+    """Log a job's fitted model as history and as a loadable pyfunc; returns the model URI."""
+    record = {"dataset": dataset, "model_family": model_family, "final_plan": final_plan,
+              "samples_per_s": samples_per_s, "peak_memory_bytes": peak_memory_bytes,
+              "throughput_model": model.to_dict(), "memory_model": memory.to_dict() if memory else None,
+              "extra": extra or {}}
+    store.set_tags(run_id, {MODEL_TAG: "1", DATASET_TAG: dataset, FAMILY_TAG: model_family,
+                            PLAN_TAG: json.dumps(final_plan, sort_keys=True)})
+    m = {"resource_model.fit_mape": model.fit_mape, **{f"resource_model.coef.{t}": c for t, c in zip(model.terms, model.coef)}}
+    m.update({f"resource_model.{k}": v for k, v in (metrics or {}).items()})
+    store.log_metrics(run_id, {k: v for k, v in m.items() if v == v})  # drop NaN
+    store.log_dict(run_id, record, RECORD_FILE)
+    if points or held_out:
+        import matplotlib.pyplot as plt
+
+        fig = predicted_vs_measured_figure(model, points, held_out, f"{dataset}/{model_family}: {model.describe()}")
+        store.log_figure(run_id, fig, "resource_model/predicted_vs_measured.png")
+        plt.close(fig)
+    mlflow.set_tracking_uri(store.tracking_uri)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "record.json"
+        path.write_text(json.dumps(record, indent=2, default=str))
+        with mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None), warnings.catch_warnings():
+            # predict takes a DataFrame of any of the documented columns: no type-hint signature to infer
+            warnings.filterwarnings("ignore", message=".*type hints.*")
+            info = mlflow.pyfunc.log_model(name=MODEL_NAME, python_model=ResourceModelPyfunc(),
+                                           artifacts={"record": str(path)}, pip_requirements=_requirements())
+    return info.model_uri
+
+
+def log_events(store: TrackingStore, run_id: str, events: Sequence[Any], prefix: str = "dlrover") -> None:
+    """Every optimizer decision as JSON lines (one artifact) plus a count per stage and action."""
+    from recforge.elastic.events import to_jsonl
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "events.jsonl"
+        path.write_text(to_jsonl(events))
+        store.log_artifact(run_id, path, "resource_model")
+    counts: dict[str, float] = {}
+    for e in events:
+        counts[f"{prefix}.events.{e.stage}"] = counts.get(f"{prefix}.events.{e.stage}", 0) + 1
+    store.log_metrics(run_id, counts)
+
+
+def load_resource_model(model_uri: str, tracking_uri: str | None = None):
+    """The pyfunc: `.predict(pd.DataFrame({"workers": [8], "cpu_per_worker": [2], "batch_size": [512]}))`."""
+    if tracking_uri:
+        mlflow.set_tracking_uri(tracking_uri)
+    return mlflow.pyfunc.load_model(model_uri)
+
+
+def _requirements() -> list[str]:
+    from importlib.metadata import version
+
+    return [f"{p}=={version(p)}" for p in ("numpy", "scipy", "pandas")]
+
+
+class MlflowHistory:
+    """Past jobs from MLflow runs tagged by `log_resource_model` (any experiment of the store)."""
+
+    def __init__(self, store: TrackingStore, max_runs: int = 50) -> None:
+        self.store = store
+        self.max_runs = max_runs
+        self.problems: list[str] = []
+
+    def similar(self, dataset: str, model_family: str, limit: int = 20) -> list[JobRecord]:
+        client = self.store.client
+        exps = [e.experiment_id for e in client.search_experiments()]
+        if not exps:
+            return []
+        runs = client.search_runs(
+            exps, filter_string=(f"tags.`{MODEL_TAG}` = '1' and tags.`{DATASET_TAG}` = '{_q(dataset)}' "
+                                 f"and tags.`{FAMILY_TAG}` = '{_q(model_family)}'"),
+            order_by=["attributes.start_time DESC"], max_results=min(limit, self.max_runs))
+        return [self._record(r, dataset, model_family) for r in runs]
+
+    def _record(self, run, dataset: str, model_family: str) -> JobRecord:
+        run_id = run.info.run_id
+        plan = {}
+        try:
+            plan = json.loads(run.data.tags.get(PLAN_TAG, "{}"))
+        except json.JSONDecodeError:
+            self.problems.append(f"run {run_id}: tag {PLAN_TAG} is not JSON")
+        rec = JobRecord(dataset=dataset, model_family=model_family, final_plan=plan,
+                        finished_at=(run.info.end_time or run.info.start_time or 0) / 1000.0, run_id=run_id)
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = self.store.client.download_artifacts(run_id, RECORD_FILE, tmp)
+                data = json.loads(Path(path).read_text())
+            rec.model = ThroughputModel.from_dict(data["throughput_model"])
+            rec.memory = MemoryModel.from_dict(data["memory_model"]) if data.get("memory_model") else None
+            rec.samples_per_s = data.get("samples_per_s")
+            rec.peak_memory_bytes = data.get("peak_memory_bytes")
+            rec.extra = dict(data.get("extra") or {})
+            rec.final_plan = data.get("final_plan") or plan
+        except (MlflowException, OSError, json.JSONDecodeError, KeyError, TypeError, ModelFitError) as e:
+            self.problems.append(f"run {run_id}: {RECORD_FILE} missing or corrupt ({type(e).__name__}: {e}); "
+                                 "using its final plan only")
+        return rec
+
+
+def _q(s: str) -> str:
+    return s.replace("'", "\\'")
+
+
+# ---------------------------------------------------------------------------------------------
+# the daily pipeline's hooks (resources.policy == "dlrover")
+# ---------------------------------------------------------------------------------------------
+def plan_with_dlrover(store: TrackingStore, run_id: str, cfg, tables, total_rows: int):
+    """Stage 1 for the plan task: MLflow history of runs with the same dataset preset and model family.
+    Logs the events and the stage's state; returns (ResourcePlan, state for the train task)."""
+    from recforge.elastic.optimizer import pipeline_plan
+    from recforge.elastic.policy import ResourcePlan
+
+    history = MlflowHistory(store)
+    out = pipeline_plan(cfg.resources, dataset=cfg.dataset_preset, model_family=cfg.model.arch,
+                        batch_size=cfg.train.batch_size, total_rows=int(total_rows), tables=tables,
+                        embedding_dim=cfg.model.embedding_dim, history=history)
+    log_events(store, run_id, out["events"])
+    store.log_dict(run_id, {**out["state"], "history_problems": history.problems}, "resource_model/stage1.json")
+    store.set_tags(run_id, {"dlrover.stage1": out["events"][0].action if out["events"] else "none"})
+    return ResourcePlan(out["workers"], out["threads_per_worker"]), out["state"]
+
+
+def recommend_with_dlrover(store: TrackingStore, run_id: str, state: dict, worker_result: dict,
+                           per_worker: dict | None = None) -> dict[str, Any]:
+    """Stages 2 and 3 after the train task, logged as recommendations (nothing executes them until the
+    elastic runtime lands), plus this run's model and measured point as history for tomorrow's stage 1."""
+    from recforge.elastic.optimizer import recommend_after_run
+
+    shares = {k: (v or {}).get("samples") for k, v in (per_worker or {}).items()}
+    events, model, ran = recommend_after_run(state, worker_result, shares)
+    log_events(store, run_id, events)
+    out: dict[str, Any] = {"recommendations": [e.to_dict() for e in events if e.changes_plan],
+                           "events": len(events), "executed": False}
+    thr = float(worker_result.get("samples_per_s") or 0.0)
+    if model is not None and thr > 0:
+        from recforge.elastic.memory_model import MemoryModel
+
+        point = Sample(ran.allocation(state["job"].get("host_cores")), thr)
+        out["model_uri"] = log_resource_model(
+            store, run_id, model=model, dataset=state["job"]["dataset"], model_family=state["job"]["model_family"],
+            final_plan=ran.to_dict(), memory=MemoryModel.from_dict(state["memory"]) if state.get("memory") else None,
+            samples_per_s=thr, points=[point],
+            extra={"points": [{"allocation": point.allocation.to_dict(), "samples_per_s": thr}]})
+    return out
