@@ -5,6 +5,8 @@
 # usage: scripts/services.sh up|down|status
 #   RECFORGE_VENV        venv with airflow and mlflow (default <repo>/.venv)
 #   RECFORGE_UP_TIMEOUT  seconds to wait for the health checks (default 300)
+#   RECFORGE_TRIGGERER   1: also run `airflow triggerer`, which deferrable operators need (recforge's DAGs use
+#                        none, so it is off by default); down/status always cover it
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -19,6 +21,8 @@ AIRFLOW_URL=http://$AIRFLOW__API__HOST:$AIRFLOW__API__PORT   # the servers this 
 MLFLOW_URL=http://$RECFORGE_HOST:$RECFORGE_MLFLOW_PORT
 PASSWORDS=$AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE
 SERVICES=(api-server scheduler dag-processor mlflow)
+ALL_SERVICES=(api-server scheduler dag-processor triggerer mlflow)   # what down and status look for
+[[ ${RECFORGE_TRIGGERER:-0} == 1 ]] && SERVICES=(api-server scheduler dag-processor triggerer mlflow)
 export PATH=$BIN:$PATH   # task processes launch workers with the venv's python / torchrun
 
 say() { printf '[services] %s\n' "$*"; }
@@ -26,7 +30,7 @@ die() { printf '[services] error: %s\n' "$*" >&2; exit 1; }
 
 command_of() {  # name -> CMD array
     case $1 in
-        api-server | scheduler | dag-processor) CMD=("$BIN/airflow" "$1") ;;
+        api-server | scheduler | dag-processor | triggerer) CMD=("$BIN/airflow" "$1") ;;
         mlflow)
             # job execution (GenAI jobs: huey consumers, ~1 GB) is of no use to recforge; opt in by exporting it
             CMD=(env "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false}"
@@ -109,8 +113,9 @@ airflow_healthy() {  # api-server answers and reports the scheduler and the dag-
     curl -fsS --max-time 5 "$AIRFLOW_URL/api/v2/monitor/health" 2>/dev/null | "$BIN/python" -c '
 import json, sys
 h = json.load(sys.stdin)
-ok = all((h.get(k) or {}).get("status") == "healthy" for k in ("metadatabase", "scheduler", "dag_processor"))
-sys.exit(0 if ok else 1)' 2>/dev/null
+need = ["metadatabase", "scheduler", "dag_processor"] + (["triggerer"] if sys.argv[1] == "1" else [])
+ok = all((h.get(k) or {}).get("status") == "healthy" for k in need)
+sys.exit(0 if ok else 1)' "${RECFORGE_TRIGGERER:-0}" 2>/dev/null
 }
 
 mlflow_healthy() { curl -fsS --max-time 5 "$MLFLOW_URL/health" >/dev/null 2>&1; }
@@ -136,7 +141,7 @@ up() {
     mkdir -p "$LOGS" "$RUN" "$AIRFLOW_HOME" "$RECFORGE_MLFLOW_ARTIFACTS"
     chmod 700 "$LOGS"   # the api-server log holds the generated admin password
     local name need_airflow=0
-    for name in api-server scheduler dag-processor; do running "$name" || need_airflow=1; done
+    for name in "${SERVICES[@]}"; do [[ $name == mlflow ]] || running "$name" || need_airflow=1; done
     if ((need_airflow)); then
         say "airflow db migrate (log $LOGS/db-migrate.log)"
         "$BIN/airflow" db migrate >>"$LOGS/db-migrate.log" 2>&1 || { log_tail db-migrate; die "airflow db migrate failed"; }
@@ -158,13 +163,14 @@ EOF
 
 down() {
     local i
-    for ((i = ${#SERVICES[@]} - 1; i >= 0; i--)); do stop "${SERVICES[i]}"; done
+    for ((i = ${#ALL_SERVICES[@]} - 1; i >= 0; i--)); do stop "${ALL_SERVICES[i]}"; done
     say "stopped"
 }
 
 status() {
     local name rc=0
-    for name in "${SERVICES[@]}"; do
+    for name in "${ALL_SERVICES[@]}"; do
+        [[ $name == triggerer && ${RECFORGE_TRIGGERER:-0} != 1 && ! -e $RUN/$name.pid ]] && continue
         if running "$name"; then printf '  %-14s running (pid %s)\n' "$name" "$(pid_of "$name")"
         elif [[ -e $RUN/$name.pid ]]; then printf '  %-14s dead (stale pid file)\n' "$name"; rc=1
         else printf '  %-14s stopped\n' "$name"; rc=1

@@ -51,7 +51,8 @@ def default_params() -> dict[str, dict[str, Any]]:
         "table_cap": {"default": cfg.table_cap, "type": "integer", "minimum": 1,
                       "description": "rows per embedding table"},
         "model_arch": {"default": cfg.model.arch, "type": "string", "enum": ["dlrm", "dlrm_dcn"]},
-        "source_dir": {"default": "", "type": "string",
+        # "null" in the type makes the field optional in Airflow's trigger form (an empty required field blocks it)
+        "source_dir": {"default": None, "type": ["null", "string"],
                        "description": "directory of raw day_*.tsv files; empty generates synthetic data"},
     }
 

@@ -1,0 +1,360 @@
+"""Turn a run's recorded outputs and its MLflow runs into the page's sections; a section exists only where its
+data does. Pure data (strings, numbers, lists): the templates render it with escaping on.
+
+Recorded keys the page knows (later issues add theirs; anything else still shows under "recorded outputs"):
+  plan_resources: plan_path, workers, threads_per_worker, tables, dlrover,
+                  fusion (RAP's CompiledPlan.summary(): method, objective, launches, groups),
+                  rap_schedule (Gantt: {"unit", "tasks": [{"name", "lane", "start", "end", "kind"?}]})
+  train:          samples_per_s, steps, wall_s, world_size, rap_schedule, resource_decisions (event dicts)
+  evaluate:       auc, logloss, ne, auc_ceiling
+  compile:        report (backend, num_columns, ops_*, max_abs_diff, *_median_ms, speedup, signature_groups, ...)
+  publish:        model_name, version, promoted, reason, pipeline_run_id
+MLflow artifacts: resource_model/events.jsonl (plan_resources, train), resource_model/record.json and
+resource_model/predicted_vs_measured.png (train).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import math
+from datetime import datetime, timezone
+from typing import Any
+
+from recforge.ui import charts
+from recforge.ui.links import MlflowLinks
+from recforge.ui.mlflow_view import EVENTS_ARTIFACT, PLOT_ARTIFACT, RECORD_ARTIFACT, MlflowRun, MlflowView
+from recforge.ui.runs import STAGES, RunRecord, load_plan
+
+RAW_JSON_CHARS = 20_000
+COMPILE_FIELDS = (
+    ("backend", "backend"), ("num_columns", "columns"), ("num_tables", "embedding tables"),
+    ("ops_eager", "ops (eager)"), ("ops_compiled", "ops (compiled)"), ("graph_nodes", "graph nodes"),
+    ("lookups_eager", "lookups (eager)"), ("lookups_compiled", "lookups (compiled)"),
+    ("heldout_rows", "rows checked"), ("max_abs_diff", "max |compiled - eager|"), ("atol", "tolerance"),
+    ("within_tolerance", "within tolerance"), ("eager_median_ms", "eager latency (median ms)"),
+    ("compiled_median_ms", "compiled latency (median ms)"), ("speedup", "speedup vs eager"),
+)
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        if value.is_integer() and abs(value) >= 1000:
+            return f"{int(value):,}"
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e7):
+            return f"{value:.3e}"
+        return f"{value:,.4f}".rstrip("0").rstrip(".") if abs(value) < 1000 else f"{value:,.1f}"
+    return str(value)
+
+
+def when(seconds: float | None) -> str:
+    if not seconds:
+        return "–"
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _num(d: dict | None, key: str) -> float | None:
+    v = (d or {}).get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _op_chain(ops: Any) -> str:
+    parts = []
+    for spec in ops if isinstance(ops, list) else []:
+        if not isinstance(spec, dict):
+            continue
+        params = spec.get("params") or {}
+        args = ", ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in params.items()) \
+            if isinstance(params, dict) else str(params)
+        parts.append(f"{spec.get('op')}({args})")
+    return " → ".join(parts)
+
+
+def stage_states(run: RunRecord, mlruns: dict[str, MlflowRun], links: MlflowLinks) -> list[dict[str, Any]]:
+    rows = []
+    for stage in STAGES:
+        rec, ml = run.stages[stage], mlruns.get(stage)
+        if rec.problem:
+            state = "unreadable"
+        elif rec.done:
+            state = "done"
+        elif ml is not None and ml.status in ("FAILED", "KILLED"):
+            state = "failed"
+        elif ml is not None and ml.status == "RUNNING":
+            state = "running"
+        else:
+            state = "missing"
+        run_id = (rec.outputs or {}).get("mlflow_run_id") or (ml.run_id if ml else None)
+        exp = ml.experiment_id if ml else None
+        rows.append({"name": stage, "state": state, "problem": rec.problem, "run_id": run_id,
+                     "url": links.run(exp or _exp_of(mlruns), run_id)})
+    return rows
+
+
+def _exp_of(mlruns: dict[str, MlflowRun]) -> str | None:
+    return next((r.experiment_id for r in mlruns.values()), None)
+
+
+def run_summary(run: RunRecord, parent: MlflowRun | None, links: MlflowLinks, experiment_id: str | None) -> dict:
+    """One row of the runs list (a run whose outputs are not understood still gets its row)."""
+    try:
+        return _summary(run, parent, links, experiment_id)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        return {"run_key": run.run_key, "modified": when(run.modified), "complete": False,
+                "status": f"outputs not understood ({type(e).__name__})", "auc": "–", "ceiling": "–",
+                "speedup": "–", "model": None, "model_url": None, "promoted": "–", "mlflow_url": None, "params": {}}
+
+
+def _summary(run: RunRecord, parent: MlflowRun | None, links: MlflowLinks, experiment_id: str | None) -> dict:
+    ev, comp, pub = run.outputs("evaluate"), run.outputs("compile"), run.outputs("publish")
+    report = (comp or {}).get("report") if isinstance((comp or {}).get("report"), dict) else {}
+    params = parent.params if parent else {}
+    failed_at = next((s for s in STAGES if not run.stages[s].done), None)
+    return {
+        "run_key": run.run_key, "modified": when(run.modified),
+        "status": "complete" if failed_at is None else f"{len(run.done)}/{len(STAGES)} stages (next: {failed_at})",
+        "complete": failed_at is None,
+        "auc": fmt(_num(ev, "auc")), "ceiling": fmt(_num(ev, "auc_ceiling")), "speedup": fmt(_num(report, "speedup")),
+        "model": f"{pub.get('model_name')} v{pub.get('version')}" if pub else None,
+        "model_url": links.model_version(pub.get("model_name"), pub.get("version")) if pub else None,
+        "promoted": fmt(pub.get("promoted")) if pub else "–",
+        "mlflow_url": links.run(experiment_id, parent.run_id if parent else None),
+        "params": {k: params[k] for k in ("rows_per_day", "seed", "resources.workers") if k in params},
+    }
+
+
+def run_detail(run: RunRecord, ml: MlflowView, links: MlflowLinks) -> dict[str, Any]:
+    mlruns = ml.stage_runs(run.run_key)
+    parent = mlruns.get("pipeline")
+    exp = ml.experiment_id()
+    page: dict[str, Any] = {
+        "run_key": run.run_key, "modified": when(run.modified),
+        "stages": stage_states(run, mlruns, links),
+        "pipeline_url": links.run(exp, parent.run_id if parent else None),
+        "experiment_url": links.experiment(exp),
+        "params": sorted(parent.params.items()) if parent else [],
+    }
+    problems = [f"{s}: {run.stages[s].problem}" for s in STAGES if run.stages[s].problem]
+
+    def section(name: str, build, *args):
+        # a stage that recorded a field in an unexpected shape costs its section, not the page
+        try:
+            return build(*args)
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            problems.append(f"{name} section: recorded outputs not understood ({type(e).__name__}: {e})")
+            return None
+
+    page["data"] = section("data", _data_section, run)
+    page["plan"] = section("plan", _plan_section, run)
+    page["schedule"] = section("schedule", _schedule_section, run)
+    page["resources"] = section("resources", _resource_section, run, mlruns, ml)
+    page["training"] = section("training", _training_section, run, mlruns.get("train"))
+    page["evaluation"] = section("evaluation", _evaluation_section, run)
+    page["compile"] = section("compile", _compile_section, run)
+    page["publish"] = section("publish", _publish_section, run, ml, links, exp)
+    page["raw"] = [{"stage": s, "json": _pretty(run.outputs(s))} for s in STAGES if run.outputs(s) is not None]
+    page["problems"] = problems + ml.problems
+    return page
+
+
+def _pretty(data: Any) -> str:
+    text = json.dumps(data, indent=2, default=str)
+    return text if len(text) <= RAW_JSON_CHARS else text[:RAW_JSON_CHARS] + f"\n… ({len(text):,} characters)"
+
+
+def _data_section(run: RunRecord) -> dict | None:
+    gen, ing = run.outputs("generate"), run.outputs("ingest")
+    if gen is None and ing is None:
+        return None
+    rows = []
+    if gen is not None:
+        rows.append(("source", "synthetic (generated)" if gen.get("synthetic") else "raw day files"))
+        rows.append(("day files", fmt(len(gen.get("files") or []))))
+        if gen.get("bayes_auc"):
+            rows.append(("Bayes AUC ceiling per day", ", ".join(fmt(_num({"v": a}, "v")) for a in gen["bayes_auc"])))
+    if ing is not None:
+        for split in ("train", "holdout"):
+            part = ing.get(split) if isinstance(ing.get(split), dict) else {}
+            rows.append((f"{split} rows (shards, quarantined)",
+                         f"{fmt(part.get('rows'))} ({fmt(part.get('shards'))}, {fmt(part.get('quarantined'))})"))
+    return {"rows": rows}
+
+
+def _plan_section(run: RunRecord) -> dict | None:
+    out = run.outputs("plan_resources")
+    if out is None:
+        return None
+    plan, problem = load_plan(run)
+    features = []
+    for f in (plan or {}).get("features", []):
+        if isinstance(f, dict):
+            features.append({"name": f.get("name"), "kind": f.get("kind"), "source": f.get("source"),
+                             "chain": _op_chain(f.get("ops")), "table_rows": fmt(f.get("table_rows"))})
+    chains: dict[tuple[str, str], list[str]] = {}
+    for f in features:
+        ops = " → ".join(part.split("(")[0] for part in f["chain"].split(" → ")) if f["chain"] else "–"
+        chains.setdefault((str(f["kind"]), ops), []).append(str(f["name"]))
+    fusion = out.get("fusion") if isinstance(out.get("fusion"), dict) else None
+    groups = []
+    if fusion:
+        for g in fusion.get("groups") or []:
+            groups.append(g if isinstance(g, str) else json.dumps(g, default=str))
+    return {
+        "name": (plan or {}).get("name"), "problem": problem, "features": features,
+        "chains": [{"kind": k, "ops": ops, "count": len(names), "features": _name_span(names)}
+                   for (k, ops), names in chains.items()],
+        "dense": sum(f["kind"] == "dense" for f in features), "sparse": sum(f["kind"] == "sparse" for f in features),
+        "fusion": [(k, fmt(v)) for k, v in (fusion or {}).items() if not isinstance(v, (list, dict))],
+        "groups": groups,
+    }
+
+
+def _name_span(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, … {names[-1]}"
+
+
+def _schedule_section(run: RunRecord) -> dict | None:
+    for stage in ("plan_resources", "train"):
+        schedule = (run.outputs(stage) or {}).get("rap_schedule")
+        if schedule is not None:
+            try:
+                return {"stage": stage, "chart": charts.gantt(schedule), "problem": None}
+            except charts.ChartError as e:
+                return {"stage": stage, "chart": None, "problem": str(e)}
+    return None
+
+
+DECISION_STAGES = ("warm_start", "runtime", "instability")  # recforge.elastic.events.STAGES
+
+
+def _event_time(t: float | None) -> str:
+    if t is None:
+        return "–"
+    return when(t) if t > 1e9 else f"{t:.1f} s into the job"
+
+
+def _workers_of(plan: Any) -> float | None:
+    return _num(plan, "workers") if isinstance(plan, dict) else None
+
+
+def _resource_section(run: RunRecord, mlruns: dict[str, MlflowRun], ml: MlflowView) -> dict | None:
+    plan_out, train_out = run.outputs("plan_resources"), run.outputs("train")
+    events: list[dict] = []
+    for stage in ("plan_resources", "train"):
+        recorded = (run.outputs(stage) or {}).get("resource_decisions")
+        if isinstance(recorded, list):
+            events += [e for e in recorded if isinstance(e, dict)]
+        elif stage in mlruns:
+            events += ml.artifact_jsonl(mlruns[stage], EVENTS_ARTIFACT)
+    train_run = mlruns.get("train")
+    plot = ml.artifact_png(train_run, PLOT_ARTIFACT) if train_run else None
+    record = ml.artifact_json(train_run, RECORD_ARTIFACT) if train_run else None
+    if plan_out is None and not events and plot is None:
+        return None
+    decisions, points = [], []
+    # DLRover-RM's stages in order; within one, by time (warm-start events carry wall-clock seconds, runtime
+    # events seconds into the job, so times are shown as recorded, never subtracted across stages)
+    order = {stage: i for i, stage in enumerate(DECISION_STAGES)}
+    events = sorted(events, key=lambda e: (order.get(str(e.get("stage")), len(order)), _num(e, "time_s") or 0.0))
+    for i, e in enumerate(events):
+        after, before = e.get("plan_after"), e.get("plan_before")
+        decisions.append({
+            "n": i + 1, "t": _event_time(_num(e, "time_s")), "stage": str(e.get("stage", "")),
+            "action": str(e.get("action", "")), "reason": str(e.get("reason", "")),
+            "before": json.dumps(before, default=str) if before is not None else "–",
+            "after": json.dumps(after, default=str) if after is not None else "–",
+            "executed": fmt(bool(e.get("executed"))),
+        })
+        if not points and _workers_of(before) is not None:
+            points.append((0, _workers_of(before)))
+        w = _workers_of(after) if after is not None else _workers_of(before)
+        if w is not None:
+            points.append((i + 1, w))
+    model_rows = []
+    if train_run is not None:
+        model_rows = [(k.removeprefix("resource_model."), fmt(v)) for k, v in sorted(train_run.metrics.items())
+                      if k.startswith("resource_model.")]
+    if isinstance(record, dict) and isinstance(record.get("final_plan"), dict):
+        model_rows.insert(0, ("final plan", json.dumps(record["final_plan"], default=str)))
+    return {
+        "policy": (mlruns.get("pipeline").params.get("resources.policy") if mlruns.get("pipeline") else None),
+        "workers": fmt((plan_out or {}).get("workers")), "threads": fmt((plan_out or {}).get("threads_per_worker")),
+        "world_size": fmt((train_out or {}).get("world_size")),
+        "decisions": decisions,
+        "chart": charts.step_series(points, "workers", x_label="decision") if len(points) > 1 else None,
+        "plot": base64.b64encode(plot).decode() if plot else None, "model_rows": model_rows,
+    }
+
+
+def _training_section(run: RunRecord, train_run: MlflowRun | None) -> dict | None:
+    out = run.outputs("train")
+    if out is None:
+        return None
+    rows = [("samples/s", fmt(_num(out, "samples_per_s"))), ("steps", fmt(out.get("steps"))),
+            ("workers (world size)", fmt(out.get("world_size"))), ("wall time (s)", fmt(_num(out, "wall_s")))]
+    if train_run and "final_train_loss" in train_run.metrics:
+        rows.append(("final train loss", fmt(train_run.metrics["final_train_loss"])))
+    return {"rows": rows}
+
+
+def _evaluation_section(run: RunRecord) -> dict | None:
+    ev = run.outputs("evaluate")
+    if ev is None:
+        return None
+    auc, ceiling = _num(ev, "auc"), _num(ev, "auc_ceiling")
+    rows = [("AUC", fmt(auc)), ("AUC ceiling (Bayes-optimal)", fmt(ceiling))]
+    if auc is not None and ceiling is not None:
+        rows.append(("gap to ceiling", fmt(ceiling - auc)))
+        # AUC 0.5 is chance: the share of the attainable lift over chance the model reached
+        if ceiling > 0.5:
+            rows.append(("lift over chance reached", f"{100 * (auc - 0.5) / (ceiling - 0.5):.1f} %"))
+    rows += [("log loss", fmt(_num(ev, "logloss"))), ("normalized entropy", fmt(_num(ev, "ne"))),
+             ("rows evaluated", fmt(_num(ev, "rows")))]
+    return {"rows": rows, "auc": auc, "ceiling": ceiling}
+
+
+def _compile_section(run: RunRecord) -> dict | None:
+    out = run.outputs("compile")
+    if out is None:
+        return None
+    report = out.get("report") if isinstance(out.get("report"), dict) else {}
+    known = {k for k, _ in COMPILE_FIELDS} | {"latency", "signature_groups", "fused_groups"}
+    rows = [(label, fmt(report.get(key))) for key, label in COMPILE_FIELDS if key in report]
+    lat = report.get("latency") if isinstance(report.get("latency"), dict) else {}
+    if lat:
+        rows.append(("latency measured at", f"batch {fmt(lat.get('batch_size'))}, {fmt(lat.get('threads'))} thread(s)"))
+    other = [(k, fmt(v) if not isinstance(v, (dict, list)) else json.dumps(v, default=str))
+             for k, v in report.items() if k not in known]
+    groups = report.get("signature_groups") or report.get("fused_groups") or {}
+    if isinstance(groups, list):
+        groups = {str(g): "" for g in groups}
+    bars = []
+    eager, compiled = _num(report, "eager_median_ms"), _num(report, "compiled_median_ms")
+    if eager and compiled:
+        top = max(eager, compiled)
+        bars = [{"label": "eager", "ms": fmt(eager), "pct": round(100 * eager / top, 1)},
+                {"label": "compiled", "ms": fmt(compiled), "pct": round(100 * compiled / top, 1)}]
+    return {"rows": rows, "other": other, "groups": [(str(k), fmt(v)) for k, v in groups.items()]
+            if isinstance(groups, dict) else [], "bars": bars}
+
+
+def _publish_section(run: RunRecord, ml: MlflowView, links: MlflowLinks, exp: str | None) -> dict | None:
+    pub = run.outputs("publish")
+    if pub is None:
+        return None
+    name, version = pub.get("model_name"), pub.get("version")
+    mv = ml.model_version(str(name), str(version)) if name and version is not None else None
+    return {
+        "model": f"{name} v{version}", "url": links.model_version(name, version),
+        "promoted": fmt(pub.get("promoted")), "reason": pub.get("reason"),
+        "aliases": ", ".join(mv["aliases"]) if mv and mv["aliases"] else "–",
+        "status": mv["status"] if mv else "–",
+        "source_run_url": links.run(exp, mv["run_id"]) if mv else None,
+    }

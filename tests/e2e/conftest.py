@@ -1,0 +1,35 @@
+"""One set of live services for the whole e2e session (the API test and the browser test share it)."""
+import os
+import time
+
+import pytest
+
+from e2e_services import LiveServices, services, start
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def live(tmp_path_factory) -> LiveServices:
+    home = tmp_path_factory.mktemp("live") / "home"
+    svc = start(home)
+    pids = {p.stem: int(p.read_text()) for p in (home / "run").glob("*.pid")}
+    try:
+        svc.wait_for_dag()
+        svc.unpause()
+        deadline = time.monotonic() + 20  # the scheduled run the unpause creates appears within seconds
+        while time.monotonic() < deadline and not svc.fail_foreign_runs():
+            time.sleep(2)
+        yield svc
+    finally:
+        svc.keep_logs("live")
+        down = services("down", svc.env)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert not list((home / "run").glob("*.pid")), "make down left pid files"
+        assert not [n for n, p in pids.items() if _alive(p)], f"still running after down: {pids}"

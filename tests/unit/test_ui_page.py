@@ -1,0 +1,275 @@
+"""The RecForge page (recforge.ui.app) on runs written the way the stages write them (StageWriter) and MLflow
+runs created through recforge.tracking: every section where its data exists, nothing where it does not, links
+into MLflow, escaping of everything, read-only, and bad run keys refused."""
+import json
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+
+from recforge.config import PipelineConfig, dataset_preset
+from recforge.pipelines.context import EXPERIMENT, RunContext, StageWriter
+from recforge.preprocess.plan import criteo_plan
+from recforge.tracking import TrackingStore
+from recforge.ui.app import create_app
+from recforge.ui.links import mlflow_base
+
+EVIL = '<script>alert("x")</script>'
+EVIL_IMG = "<img src=x onerror=alert(1)>"
+MLFLOW = "http://mlflow.example:5000"
+COMPLETE, PARTIAL, CORRUPT, EMPTY = "manual__2026-01-02T00_00_00_00_00", "partial_run", "corrupt_run", "queued_run"
+
+
+def _write(ctx: RunContext, stage: str, outputs: dict, files: dict | None = None) -> dict:
+    w = StageWriter(ctx, stage)
+    for name, text in (files or {}).items():
+        (w.tmp / name).write_text(text)
+    return w.commit(outputs)
+
+
+def _stage_runs(store: TrackingStore, ctx: RunContext, stages, status="FINISHED") -> dict:
+    parent = store.pipeline_run(EXPERIMENT, ctx.run_key)
+    store.log_params(parent, ctx.config.model_dump(mode="json"))
+    ids = {}
+    for s in stages:
+        ids[s] = store.stage_run(EXPERIMENT, ctx.run_key, s)
+        store.finish(ids[s], ok=status == "FINISHED")
+    return {"pipeline": parent, **ids}
+
+
+def _complete_run(home, store: TrackingStore) -> dict:
+    from recforge.elastic.events import Event
+    from recforge.tracking.resource_models import log_events
+
+    ctx = RunContext.create(COMPLETE, PipelineConfig(rows_per_day=3000, seed=7, table_cap=5000), home=home)
+    ids = _stage_runs(store, ctx, ["generate", "ingest", "plan_resources", "train", "evaluate", "compile", "publish"])
+    _write(ctx, "generate", {"files": ["day_0.tsv", "day_1.tsv"], "bayes_auc": [0.79, 0.78], "synthetic": True,
+                             "mlflow_run_id": ids["generate"]})
+    _write(ctx, "ingest", {"train": {"rows": 3000, "quarantined": 2, "shards": 1},
+                           "holdout": {"rows": 3000, "quarantined": 0, "shards": 1},
+                           "rows_ingested": 6000, "rows_quarantined": 2, "mlflow_run_id": ids["ingest"]})
+    plan = json.loads(criteo_plan(dataset_preset("criteo_kaggle"), 5000).model_dump_json())
+    plan["features"][0]["name"] = EVIL  # a hostile plan file: the page must escape what it reads
+    schedule = {"unit": "ms", "tasks": [
+        {"name": "fill_null", "lane": "cpu0", "start": 0, "end": 4, "kind": "dense"},
+        {"name": EVIL, "lane": "cpu1", "start": 1, "end": 9, "kind": "sparse"},
+        {"name": "train step", "lane": "gpu0", "start": 4, "end": 10, "kind": "train"}]}
+    w = StageWriter(ctx, "plan_resources")
+    (w.tmp / "preprocess_plan.json").write_text(json.dumps(plan))
+    w.commit({"plan_path": str(w.tmp / "preprocess_plan.json"), "workers": 2, "threads_per_worker": 1,
+              "tables": [["C1", 5000]], "num_dense": 13, "dlrover": None, "rap_schedule": schedule,
+              "fusion": {"method": "milp", "objective": 1370, "launches": 3,
+                         "groups": ["L0:fill_null_densex13", f"L1:{EVIL}", "L2:firstx_sparsex26"]},
+              "mlflow_run_id": ids["plan_resources"]})
+    events = [Event("warm_start", "initial_plan", "no history: " + EVIL, plan_after={"workers": 2}, time_s=100.0),
+              Event("runtime", "add_worker", "throughput below the model", plan_before={"workers": 2},
+                    plan_after={"workers": 3}, time_s=130.0)]
+    log_events(store, ids["train"], events)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(2, 2))
+    ax.plot([1, 2], [3, 4])
+    store.log_figure(ids["train"], fig, "resource_model/predicted_vs_measured.png")
+    plt.close(fig)
+    store.log_metrics(ids["train"], {"final_train_loss": 0.52, "resource_model.fit_mape": 0.07})
+    _write(ctx, "train", {"samples_per_s": 4800.5, "steps": 8, "wall_s": 9.5, "world_size": 2,
+                          "mlflow_run_id": ids["train"]})
+    _write(ctx, "evaluate", {"auc": 0.70, "logloss": 0.55, "ne": 0.97, "rows": 3000.0, "auc_ceiling": 0.78,
+                             "mlflow_run_id": ids["evaluate"]})
+    _write(ctx, "compile", {"artifact": "inference.pt2", "mlflow_run_id": ids["compile"], "report": {
+        "backend": EVIL_IMG, "num_columns": 26, "num_tables": 26, "ops_eager": 78, "ops_compiled": 83,
+        "max_abs_diff": 1.5e-7, "atol": 1e-5, "within_tolerance": True, "eager_median_ms": 1.0,
+        "compiled_median_ms": 0.25, "speedup": 4.0, "latency": {"batch_size": 64, "threads": 1},
+        "signature_groups": {"sigrid_hash|sum|rows|dim<=16": 26}, "new_field_from_a_later_issue": EVIL}})
+    client = store.client
+    client.create_registered_model("recforge-dlrm")
+    mv = client.create_model_version("recforge-dlrm", source=f"runs:/{ids['publish']}/model", run_id=ids["publish"])
+    client.set_registered_model_alias("recforge-dlrm", "champion", mv.version)
+    _write(ctx, "publish", {"model_name": "recforge-dlrm", "version": str(mv.version), "promoted": True,
+                            "reason": EVIL, "pipeline_run_id": ids["pipeline"], "mlflow_run_id": ids["publish"]})
+    return ids
+
+
+def _partial_run(home, store: TrackingStore) -> dict:
+    ctx = RunContext.create(PARTIAL, PipelineConfig(rows_per_day=1000), home=home)
+    ids = _stage_runs(store, ctx, ["generate", "ingest"])
+    ids["plan_resources"] = store.stage_run(EXPERIMENT, ctx.run_key, "plan_resources")
+    store.finish(ids["plan_resources"], ok=False)
+    _write(ctx, "generate", {"files": [], "bayes_auc": None, "synthetic": False, "mlflow_run_id": ids["generate"]})
+    _write(ctx, "ingest", {"train": {"rows": 10}, "holdout": {"rows": 5}, "mlflow_run_id": ids["ingest"]})
+    return ids
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    home = tmp_path_factory.mktemp("ui_home")
+    store = TrackingStore(f"sqlite:///{home / 'mlflow' / 'mlflow.db'}", home / "mlflow" / "artifacts")
+    ids = {PARTIAL: _partial_run(home, store), COMPLETE: _complete_run(home, store)}
+    corrupt = RunContext.create(CORRUPT, {}, home=home)
+    _write(corrupt, "generate", {"files": []})
+    (corrupt.stage_dir("ingest")).mkdir(parents=True)
+    (corrupt.stage_dir("ingest") / "outputs.json").write_text("{not json")
+    RunContext.create(EMPTY, {}, home=home).run_dir.mkdir(parents=True)
+    exp = store.client.get_experiment_by_name(EXPERIMENT).experiment_id
+    app = create_app(allow_anonymous=True, home=home, tracking_uri=store.tracking_uri, mlflow_url=MLFLOW)
+    return {"client": TestClient(app), "ids": ids, "exp": exp, "home": home, "store": store}
+
+
+def _html(site, path: str) -> str:
+    r = site["client"].get(path, headers={"accept": "text/html"})
+    assert r.status_code == 200, r.text[:2000]
+    assert r.headers["content-type"].startswith("text/html")
+    return r.text
+
+
+def _escaped_everywhere(body: str) -> None:
+    assert "<script" not in body.lower() and "<img src=x" not in body.lower()
+    assert "onerror=alert" not in body or "&lt;img src=x onerror=alert(1)&gt;" in body
+
+
+def test_index_lists_every_run_with_its_results_and_links(site):
+    body = _html(site, "/")
+    _escaped_everywhere(body)
+    keys = re.findall(r'data-run-key="([^"]+)"', body)
+    assert set(keys) == {COMPLETE, PARTIAL, CORRUPT, EMPTY}
+    ids, exp = site["ids"][COMPLETE], site["exp"]
+    row = body.split(f'data-run-key="{COMPLETE}"')[1].split("</tr>")[0]
+    assert "complete" in row and "0.7" in row and "4" in row
+    assert f'href="{MLFLOW}/#/models/recforge-dlrm/versions/1"' in row
+    assert f'href="{MLFLOW}/#/experiments/{exp}/runs/{ids["pipeline"]}"' in row
+    assert "rows_per_day=3000" in row and "seed=7" in row
+    partial = body.split(f'data-run-key="{PARTIAL}"')[1].split("</tr>")[0]
+    assert "2/7 stages (next: plan_resources)" in partial
+    assert f'href="/runs/{COMPLETE}"' in body
+
+
+def test_complete_run_shows_every_section_linked_to_mlflow(site):
+    body = _html(site, f"/runs/{COMPLETE}")
+    _escaped_everywhere(body)
+    ids, exp = site["ids"][COMPLETE], site["exp"]
+    for stage in ("generate", "ingest", "plan_resources", "train", "evaluate", "compile", "publish"):
+        assert f'data-stage="{stage}" data-state="done"' in body
+        assert f'href="{MLFLOW}/#/experiments/{exp}/runs/{ids[stage]}"' in body
+    # plan: op chains grouped, every feature listed, fused groups
+    assert "fill_null → sigrid_hash → firstx" in body and "fill_null → logit" in body
+    assert body.count("<tr><td class=\"mono\">") >= 39
+    assert "L0:fill_null_densex13" in body and "3 launches" in body
+    # Gantt: one bar per task, lanes in order of appearance
+    gantt = body.split('aria-label="RAP schedule Gantt chart"')[1].split("</svg>")[0]
+    assert gantt.count("<rect") == 3 and gantt.index("cpu0") < gantt.index("cpu1") < gantt.index("gpu0")
+    # resource decisions from the events artifact, the workers-over-time chart and the fitted model's plot
+    decisions = body.split('id="decisions"')[1].split("</table>")[0]
+    assert decisions.count("<tr>") == 3 and "add_worker" in decisions
+    assert decisions.index("initial_plan") < decisions.index("add_worker")  # warm start first
+    assert "130.0 s into the job" in decisions
+    assert 'aria-label="workers after each decision"' in body
+    assert 'src="data:image/png;base64,iVBORw0KGgo' in body and "fit_mape" in body
+    # evaluation vs ceiling, compile report, model
+    assert "0.08" in body.split('id="evaluation"')[1].split('id="compile"')[0]  # gap 0.78 - 0.70
+    assert "71.4 %" in body  # (0.70 - 0.5) / (0.78 - 0.5)
+    compile_section = body.split('id="compile"')[1].split('id="publish"')[0]
+    for text in ("speedup vs eager", "4", "1.500e-07", "sigrid_hash|sum|rows|dim&lt;=16",
+                 "new_field_from_a_later_issue"):
+        assert text in compile_section
+    publish = body.split('id="publish"')[1].split('id="raw"')[0]
+    assert f'href="{MLFLOW}/#/models/recforge-dlrm/versions/1"' in publish and "champion" in publish
+    assert f"{MLFLOW}/#/experiments/{exp}/runs/{ids['publish']}" in publish
+    assert "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;" in body
+
+
+def test_partial_run_shows_what_exists(site):
+    body = _html(site, f"/runs/{PARTIAL}")
+    states = dict(re.findall(r'data-stage="(\w+)" data-state="(\w+)"', body))
+    assert states == {"generate": "done", "ingest": "done", "plan_resources": "failed", "train": "missing",
+                      "evaluate": "missing", "compile": "missing", "publish": "missing"}
+    for empty in ("No plan recorded yet", "No training outputs yet", "Not evaluated yet", "Not compiled yet",
+                  "Not published yet", "No RAP schedule recorded"):
+        assert empty in body
+    assert "generate/outputs.json" in body and "compile/outputs.json" not in body
+    data = site["client"].get(f"/api/runs/{PARTIAL}").json()
+    assert data["plan"] is None and data["compile"] is None and data["data"] is not None
+
+
+def test_unreadable_outputs_and_empty_runs_are_reported_not_fatal(site):
+    body = _html(site, f"/runs/{CORRUPT}")
+    assert 'data-stage="ingest" data-state="unreadable"' in body
+    assert "ingest: outputs.json unreadable: JSONDecodeError" in body
+    body = _html(site, f"/runs/{EMPTY}")
+    assert body.count('data-state="missing"') == 7 and "No stage has recorded outputs" in body
+
+
+def test_mlflow_unreachable_still_shows_the_recorded_outputs(site, tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    app = create_app(allow_anonymous=True, home=site["home"], tracking_uri=f"sqlite:///{blocker}/mlflow.db",
+                     mlflow_url=MLFLOW)
+    client = TestClient(app)
+    body = client.get(f"/runs/{COMPLETE}").text
+    assert 'data-stage="compile" data-state="done"' in body and "speedup vs eager" in body
+    assert "MLflow" in body.split('id="problems"')[1].split("</div></div>")[0]
+    assert client.get("/").status_code == 200
+
+
+@pytest.mark.parametrize("path,status", [
+    ("/runs/%2E%2E", 400), ("/runs/a%2Fb", 404), ("/runs/%3Cscript%3E", 400), ("/runs/a%20b", 400),
+    ("/runs/no_such_run", 404), ("/api/runs/%3Cscript%3E", 400),
+])
+def test_bad_run_keys_are_refused_without_reflecting_them(site, path, status):
+    r = site["client"].get(path, headers={"accept": "text/html"})
+    assert r.status_code == status
+    _escaped_everywhere(r.text)
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "PATCH", "DELETE"])
+def test_the_page_is_read_only(site, method):
+    r = site["client"].request(method, f"/runs/{COMPLETE}")
+    assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
+
+
+def test_security_headers_forbid_scripts_and_foreign_framing(site):
+    r = site["client"].get("/")
+    csp = r.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "script-src" not in csp and "frame-ancestors 'self'" in csp
+    assert r.headers["x-content-type-options"] == "nosniff"
+
+
+def test_every_route_depends_on_the_given_authentication(site):
+    from fastapi import HTTPException
+
+    def refuse():
+        raise HTTPException(status_code=401, detail="Not authenticated")
+
+    client = TestClient(create_app(auth=refuse, home=site["home"], tracking_uri=site["store"].tracking_uri))
+    for path in ("/", f"/runs/{COMPLETE}", "/api/runs", f"/api/runs/{COMPLETE}"):
+        r = client.get(path)
+        assert r.status_code == 401 and COMPLETE not in r.text, path
+    with pytest.raises(ValueError, match="authentication"):
+        create_app()
+
+
+@pytest.mark.parametrize("url", ["javascript:alert(1)", "ftp://x", "//evil", ""])
+def test_mlflow_url_must_be_http(url):
+    with pytest.raises(ValueError, match="RECFORGE_MLFLOW_URL"):
+        mlflow_base(url)
+
+
+def test_outputs_in_unexpected_shapes_cost_their_section_not_the_page(tmp_path):
+    ctx = RunContext.create("odd_shapes", {}, home=tmp_path)
+    _write(ctx, "generate", {"files": 5, "bayes_auc": 3, "synthetic": True})
+    _write(ctx, "evaluate", {"auc": "high", "auc_ceiling": None})
+    _write(ctx, "compile", {"report": {"latency": "fast", "signature_groups": 5, "speedup": [2]}})
+    _write(ctx, "publish", {"model_name": ["x"], "version": {"v": 1}, "reason": EVIL})
+    blocker = tmp_path / "no_mlflow"
+    blocker.write_text("")
+    client = TestClient(create_app(allow_anonymous=True, home=tmp_path, mlflow_url=MLFLOW,
+                                   tracking_uri=f"sqlite:///{blocker}/mlflow.db"))
+    body = client.get("/runs/odd_shapes").text
+    _escaped_everywhere(body)
+    assert 'data-stage="compile" data-state="done"' in body
+    assert "data section: recorded outputs not understood (TypeError" in body
+    assert "compile/outputs.json" in body and "publish/outputs.json" in body
+    index = client.get("/")
+    assert index.status_code == 200 and 'data-run-key="odd_shapes"' in index.text
