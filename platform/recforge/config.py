@@ -158,6 +158,11 @@ class PipelineConfig(StrictModel):
     rows_per_shard: int = Field(50_000, ge=1)
     max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
     champion_margin: float = Field(0.005, ge=0.0, description="AUC a new model may lose against the champion and still be promoted")
+    preprocess_executor: Literal["eager", "fused", "dali"] = Field(
+        "fused", description="preprocessing executor of the training workers (recforge.preprocess.executor.make_executor)")
+    preprocess_plan: str = Field(
+        "criteo", description="preprocessing plan: 'criteo' (RAP plan 0 over the dataset, tables capped by table_cap), "
+        "a preset 'plan0'..'plan3', or a plan file path (.json/.yaml)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     resources: ResourceConfig = Field(default_factory=ResourceConfig)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from recforge.preprocess import ops, reference as ref
+from recforge_kernels.reference import sigrid_hash_ref
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FAST = settings(max_examples=60, deadline=None)
@@ -155,3 +156,106 @@ def test_sigrid_hash_per_column_moduli(x, ms):
     got = ops.sigrid_hash(torch.from_numpy(x), 0, torch.tensor(ms))
     for j, m in enumerate(ms):
         np.testing.assert_array_equal(got[:, j].numpy(), ref.sigrid_hash_np(x[:, j], 0, m))
+
+
+# ---------------------------------------------------------------- ops added with issue 3: cast, onehot, ngram, mapid,
+# list (jagged) columns
+
+
+@FAST
+@given(x=float_cols)
+def test_cast_float_to_id(x):
+    got = ops.cast(torch.from_numpy(x), "id")
+    assert got.dtype == torch.int64
+    np.testing.assert_array_equal(got.numpy(), ref.cast_ref(x, "id"))
+
+
+def test_cast_known_values():
+    x = torch.tensor([1.9, -1.9, float("nan"), float("inf"), float("-inf"), 2.0**63, -(2.0**63), 2.0**62])
+    assert ops.cast(x, "id").tolist() == [1, -1, 0, INT64_MAX, INT64_MIN, INT64_MAX, INT64_MIN, 2**62]
+    assert ops.cast(torch.tensor([INT64_MAX, -3]), "float").tolist() == [2.0**63, -3.0]
+
+
+@FAST
+@given(x=int_cols)
+def test_cast_id_to_float(x):
+    got = ops.cast(torch.from_numpy(x), "float")
+    np.testing.assert_array_equal(got.numpy(), ref.cast_ref(x, "float"))
+
+
+@FAST
+@given(x=float_cols, lo=st.floats(-20, 5, width=32), span=st.floats(0.5, 40, width=32), C=st.integers(1, 9))
+def test_onehot(x, lo, span, C):
+    hi = float(np.float32(lo + span))
+    got = ops.onehot(torch.from_numpy(x).unsqueeze(1), lo, hi, C)
+    assert got.shape == (len(x), C) and got.dtype == torch.float32
+    expected = np.stack([ref.onehot_ref(x[i:i + 1], lo, hi, C) for i in range(len(x))]) if len(x) else np.zeros((0, C))
+    np.testing.assert_array_equal(got.numpy(), expected)
+    assert (got.sum(1) == 1).all()
+
+
+def test_onehot_known_values():
+    x = torch.tensor([[0.0], [3.2], [3.19], [15.99], [16.0], [-0.5], [float("nan")], [float("inf")], [-1e30]])
+    idx = ops.onehot(x, 0.0, 16.0, 5).argmax(1).tolist()
+    assert idx == [0, 1, 0, 4, 0, 0, 0, 0, 0]  # outside [0, C) (and NaN, inf) -> class 0, as RAP / TorchArrow
+
+
+@FAST
+@given(x=hnp.arrays(np.int64, st.tuples(st.integers(0, 8), st.integers(1, 9)), elements=int64s), n=st.integers(1, 12))
+def test_ngram_fixed_width(x, n):
+    got = ops.ngram(torch.from_numpy(x), n)
+    expected = [ref.ngram_ref(r, n) for r in x]
+    assert got.shape[1] == (x.shape[1] - min(n, x.shape[1]) + 1) * min(n, x.shape[1])
+    for row, e in zip(got.numpy(), expected):
+        np.testing.assert_array_equal(row, e)
+
+
+def test_ngram_known_values():
+    assert ops.ngram(torch.tensor([[1, 2, 3, 4]]), 2).tolist() == [[1, 2, 2, 3, 3, 4]]
+    assert ops.ngram(torch.tensor([[1, 2, 3]]), 5).tolist() == [[1, 2, 3]]  # n' = min(n, w)
+    assert ops.ngram(torch.tensor([[7]]), 4).tolist() == [[7]]
+
+
+@FAST
+@given(x=int_cols, table=st.lists(st.integers(INT64_MIN, INT64_MAX), min_size=1, max_size=20))
+def test_mapid(x, table):
+    got = ops.mapid(torch.from_numpy(x), table)
+    np.testing.assert_array_equal(got.numpy(), ref.mapid_ref(x, table))
+
+
+def test_mapid_out_of_range_is_zero():
+    assert ops.mapid(torch.tensor([-1, 0, 2, 3, INT64_MAX, INT64_MIN]), [16, 15, 14]).tolist() == [0, 16, 14, 0, 0, 0]
+
+
+jagged_rows = st.lists(st.lists(int64s, min_size=0, max_size=7), min_size=0, max_size=12)  # empty rows, empty batch
+
+
+def to_jagged(rows):
+    values = torch.tensor([v for r in rows for v in r], dtype=torch.int64)
+    return values, torch.tensor([len(r) for r in rows], dtype=torch.int64)
+
+
+@FAST
+@given(rows=jagged_rows, X=st.integers(1, 8))
+def test_firstx_jagged(rows, X):
+    values, lengths = ops.firstx_jagged(*to_jagged(rows), X)
+    assert lengths.tolist() == [min(len(r), X) for r in rows]
+    assert values.tolist() == [v for r in rows for v in r[:X]]
+
+
+@FAST
+@given(rows=jagged_rows, n=st.integers(1, 9))
+def test_ngram_jagged(rows, n):
+    values, lengths = ops.ngram_jagged(*to_jagged(rows), n)
+    expected = [ref.ngram_ref(np.array(r, dtype=np.int64), n) for r in rows]
+    assert lengths.tolist() == [len(e) for e in expected]
+    assert values.tolist() == [int(v) for e in expected for v in e]
+
+
+@FAST
+@given(rows=jagged_rows, salt=st.sampled_from([0, -5, INT64_MAX]), M=st.sampled_from([1, 3, 65536, 10131227]))
+def test_elementwise_ops_on_list_values(rows, salt, M):
+    values, _ = to_jagged(rows)
+    expected = [sigrid_hash_ref(int(v), salt, M) for r in rows for v in r]
+    assert ops.sigrid_hash(values, salt, M).tolist() == expected
+    assert ops.clamp(values, -3, 7).tolist() == [min(max(v, -3), 7) for r in rows for v in r]

@@ -171,3 +171,87 @@ def test_opspec_forbids_extra_fields():
         OpSpec.model_validate({"op": "logit", "params": {}, "when": "always"})
     with pytest.raises(pydantic.ValidationError):
         FeaturePlan.model_validate({"name": "a", "kind": "dense", "ops": [{"op": "fill_null"}]})  # no source
+
+
+# ---------------------------------------------------------------- ops added with issue 3
+
+
+@pytest.mark.parametrize(
+    "ops,op_name,fragment",
+    [
+        ([("fill_null", {}), ("onehot", {"lo": 0, "hi": 16})], "onehot", "missing parameter 'C'"),
+        ([("fill_null", {}), ("onehot", {"lo": 3.0, "hi": 3.0, "C": 4})], "onehot", "lo < hi"),
+        ([("fill_null", {}), ("ngram", {"n": 0})], "ngram", "parameter 'n'"),
+        ([("fill_null", {}), ("mapid", {"map": []})], "mapid", "parameter 'map'"),
+        ([("fill_null", {}), ("mapid", {"map": [1, 2**64]})], "mapid", "int64"),
+        ([("fill_null", {}), ("cast", {"to": "int32"})], "cast", "parameter 'to'"),
+    ],
+)
+def test_new_op_parameter_errors_name_feature_and_op(ops, op_name, fragment):
+    with pytest.raises(pydantic.ValidationError) as e:
+        plan(feature("C2", "sparse", "C2", *ops))
+    msg = str(e.value)
+    assert "'C2'" in msg and f"'{op_name}'" in msg and fragment in msg
+
+
+@pytest.mark.parametrize(
+    "feat,fragments",
+    [
+        (feature("I1", "dense", "I1", ("fill_null", {}), ("onehot", {"lo": 0, "hi": 8, "C": 4})),
+         ["'I1'", "4 values per row", "firstx(1)"]),
+        (feature("I1", "dense", "I1", ("fill_null", {}), ("onehot", {"lo": 0, "hi": 8, "C": 4}),
+                 ("onehot", {"lo": 0, "hi": 8, "C": 4})),
+         ["'I1'", "op #2 'onehot'", "one value per row"]),
+        (feature("C1d", "dense", "C1", ("fill_null", {}), ("mapid", {"map": [3, 1]}), ("logit", {})),
+         ["'C1d'", "'logit'", "takes float values, got id"]),
+        (feature("C1", "sparse", "C1", ("fill_null", {}), ("cast", {"to": "float"}), ("mapid", {"map": [1]})),
+         ["'C1'", "'mapid'", "takes id values, got float"]),
+    ],
+)
+def test_width_and_type_errors_name_feature_and_op(feat, fragments):
+    with pytest.raises(PlanError) as e:
+        plan(feat).validate_for(SMALL)
+    for frag in fragments:
+        assert frag in str(e.value)
+
+
+def test_widths_and_id_ranges_of_new_ops():
+    p = plan(
+        feature("I1", "dense", "I1", ("fill_null", {}), ("onehot", {"lo": 0, "hi": 16, "C": 8}), ("ngram", {"n": 4}),
+                ("firstx", {"X": 1})),
+        feature("C1", "sparse", "C1", ("fill_null", {}), ("sigrid_hash", {"M": 50}), ("ngram", {"n": 3})),
+        feature("C2", "sparse", "C2", ("fill_null", {}), ("mapid", {"map": [16, 15, 14]})),
+        feature("C2c", "sparse", "C2", ("fill_null", {}), ("cast", {"to": "float"}), ("bucketize", {"borders": [0.5]})),
+    )
+    p.validate_for(SMALL)
+    assert [f.width for f in p.features] == [1, 1, 1, 1]
+    assert p.tables() == [("C1", 50), ("C2", 17), ("C2c", 2)]
+    wide = plan(feature("I1", "dense", "I1", ("fill_null", {}), ("onehot", {"lo": 0, "hi": 16, "C": 8}),
+                        ("ngram", {"n": 4}), ("firstx", {"X": 1})))
+    assert wide.features[0].width == 1
+    assert plan(feature("C1", "sparse", "C1", ("fill_null", {}), ("sigrid_hash", {"M": 5}))).features[0].width == 1
+
+
+def test_table_rows_override():
+    p = plan(feature("b", "sparse", "I1", ("fill_null", {}), ("bucketize", {"borders": [0.5, 1.0]})) | {"table_rows": 64})
+    assert p.tables() == [("b", 64)]
+    with pytest.raises(pydantic.ValidationError, match="'b'.*smaller than the id range"):
+        plan(feature("b", "sparse", "I1", ("fill_null", {}), ("bucketize", {"borders": [0.5, 1.0]})) | {"table_rows": 2})
+    with pytest.raises(pydantic.ValidationError, match="'d'.*sparse features only"):
+        plan(feature("d", "dense", "I1", ("fill_null", {})) | {"table_rows": 9})
+
+
+def test_with_table_cap():
+    p = plan(feature("C1", "sparse", "C1", ("fill_null", {}), ("sigrid_hash", {"M": 5000})),
+             feature("b", "sparse", "I1", ("fill_null", {}), ("bucketize", {"borders": [0.5, 1.0]})) | {"table_rows": 900})
+    capped = p.with_table_cap(100)
+    assert capped.tables() == [("C1", 100), ("b", 100)]
+    assert p.with_table_cap(10**6) is p
+    assert p.with_table_cap(2).tables() == [("C1", 2), ("b", 3)]  # never below the ids the ops make
+    with pytest.raises(ValueError, match="table_cap"):
+        p.with_table_cap(0)
+
+
+def test_missing_source_names_feature_column_and_op():
+    with pytest.raises(PlanError, match=r"feature 'X': source column 'nope' \(read by op #0 'fill_null'\)"):
+        plan(feature("X", "dense", "nope", ("fill_null", {}))).validate_for(SMALL)

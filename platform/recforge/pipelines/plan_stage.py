@@ -10,12 +10,16 @@ from recforge.pipelines.stage import run_stage
 def plan_resources(ctx: RunContext) -> dict[str, Any]:
     def body(w, store, run_id):
         from recforge.elastic.policy import StaticPolicy
-        from recforge.preprocess.plan import criteo_plan
+        from recforge.preprocess.run_params import preprocess_params
+        from recforge.preprocess.presets import load_plan
 
         cfg = ctx.config
-        plan = criteo_plan(cfg.dataset(), cfg.table_cap)
+        plan = load_plan(cfg.preprocess_plan, cfg.dataset(), cfg.table_cap)  # "criteo": criteo_plan(dataset, cap)
         plan_path = w.tmp / "preprocess_plan.json"
         plan.save(plan_path)
+        params, summary = preprocess_params(plan, cfg.dataset(), cfg.preprocess_executor, cfg.preprocess_plan)
+        store.log_params(run_id, params)  # executor, plan, fused groups (and DALI's fallbacks)
+        store.log_dict(run_id, summary, "preprocess_groups.json")
         resources = StaticPolicy(cfg.resources).plan(None)
         dlrover = None
         if cfg.resources.policy == "dlrover":  # DLRover-RM stage 1: warm start from MLflow history (logs its events)
@@ -30,6 +34,7 @@ def plan_resources(ctx: RunContext) -> dict[str, Any]:
             "threads_per_worker": resources.threads_per_worker,
             "tables": [[name, rows] for name, rows in plan.tables()],
             "num_dense": len(plan.dense_features()),
+            "preprocess_executor": cfg.preprocess_executor,
             "dlrover": dlrover,
         }
 

@@ -24,6 +24,7 @@ def train(ctx: RunContext) -> dict[str, Any]:
         spec = {
             "manifest_dir": manifest_dir,
             "plan_path": plan["plan_path"],
+            "preprocess_executor": plan.get("preprocess_executor", cfg.preprocess_executor),
             "dataset": cfg.dataset().model_dump(mode="json"),
             "model": cfg.model.model_dump(mode="json"),
             "train": cfg.train.model_dump(mode="json"),

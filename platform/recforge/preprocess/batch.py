@@ -1,7 +1,11 @@
-"""RawBatch: one shard RecordBatch as torch tensors (values + validity masks), the input of every executor."""
+"""RawBatch: one shard RecordBatch as torch tensors (values + validity masks), the input of every executor.
+
+Scalar columns are [B, F] matrices in dataset order (row-major, contiguous). A sparse column stored as a list (multi-hot, Arrow
+list<int>) goes into `jagged` (values + lengths, see jagged.py); its slot in `sparse` holds 0 / invalid.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -10,6 +14,9 @@ import torch
 from torch import Tensor
 
 from recforge.config import DatasetConfig
+from recforge.preprocess.jagged import JaggedColumn, JaggedColumns
+
+INT64_MAX = np.iinfo(np.int64).max
 
 
 @dataclass(frozen=True)
@@ -19,6 +26,7 @@ class RawBatch:
     dense_valid: Tensor  # bool[B, Fd]
     sparse: Tensor  # int64[B, Fs], nulls as 0
     sparse_valid: Tensor  # bool[B, Fs]
+    jagged: JaggedColumns = field(default_factory=JaggedColumns)  # list-valued sparse columns by name
 
     @property
     def rows(self) -> int:
@@ -38,16 +46,22 @@ class RawBatch:
         bad = int(np.count_nonzero((label != 0) & (label != 1)))
         if bad:
             raise ValueError(f"RawBatch.from_arrow: label column {dataset.label!r} has {bad} values not in {{0, 1}}")
-        dense, dense_valid = _matrix(rb, dataset.dense_names)
-        sparse, sparse_valid = _matrix(rb, dataset.sparse_names)
+        for n in dataset.dense_names:
+            if _is_list(_column(rb, n).type):
+                raise TypeError(f"RawBatch.from_arrow: dense column {n!r} must be a scalar integer column, "
+                                f"got {_column(rb, n).type}")
+        lists = [n for n in dataset.sparse_names if _is_list(_column(rb, n).type)]
+        dense, dense_valid = _matrix(rb, dataset.dense_names, set())
+        sparse, sparse_valid = _matrix(rb, dataset.sparse_names, set(lists))
         return cls(
             label=torch.from_numpy(label.astype(np.float32)),
             dense=dense, dense_valid=dense_valid, sparse=sparse, sparse_valid=sparse_valid,
+            jagged=JaggedColumns({n: _jagged(_column(rb, n), n) for n in lists}),
         )
 
     def to(self, device: torch.device | str) -> "RawBatch":
         return RawBatch(*(t.to(device) for t in (self.label, self.dense, self.dense_valid, self.sparse,
-                                                 self.sparse_valid)))
+                                                 self.sparse_valid)), jagged=self.jagged.to(device))
 
     def pad_to(self, n: int) -> tuple["RawBatch", Tensor]:
         """A new batch of n rows (zero rows appended, valid False) and weight float32[n]: 1 real, 0 padding."""
@@ -61,7 +75,7 @@ class RawBatch:
 
         weight = torch.cat([torch.ones(b, dtype=torch.float32), torch.zeros(pad, dtype=torch.float32)])
         padded = RawBatch(grow(self.label), grow(self.dense), grow(self.dense_valid), grow(self.sparse),
-                          grow(self.sparse_valid))
+                          grow(self.sparse_valid), jagged=self.jagged.pad_rows(n))
         return padded, weight
 
 
@@ -70,18 +84,45 @@ def _column(rb: pa.RecordBatch | pa.Table, name: str) -> pa.Array:
     return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
 
 
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
 def _values(col: pa.Array, name: str) -> np.ndarray:
     if not pa.types.is_integer(col.type):
         raise TypeError(f"RawBatch.from_arrow: column {name!r} must be an integer type, got {col.type}")
+    if pa.types.is_uint64(col.type) and len(col) - col.null_count:
+        top = pc.max(col).as_py()
+        if top > INT64_MAX:
+            raise ValueError(f"RawBatch.from_arrow: column {name!r} holds ids outside the int64 range (max {top})")
     filled = pc.fill_null(col, 0) if col.null_count else col
     return filled.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
-def _matrix(rb: pa.RecordBatch | pa.Table, names: list[str]) -> tuple[Tensor, Tensor]:
+def _matrix(rb: pa.RecordBatch | pa.Table, names: list[str], lists: set[str]) -> tuple[Tensor, Tensor]:
     rows = rb.num_rows
     if not names:
         return torch.zeros((rows, 0), dtype=torch.int64), torch.zeros((rows, 0), dtype=torch.bool)
-    cols = [_column(rb, n) for n in names]
-    values = np.stack([_values(c, n) for c, n in zip(cols, names)], axis=1)
-    valid = np.stack([c.is_valid().to_numpy(zero_copy_only=False) for c in cols], axis=1)
+    # Row-major and contiguous, as the contract says: code compiled on RawBatch tensors (AOTInductor) assumes the
+    # strides it saw. The fused kernels take either layout.
+    values = np.zeros((rows, len(names)), dtype=np.int64)
+    valid = np.zeros((rows, len(names)), dtype=bool)
+    for j, n in enumerate(names):
+        if n in lists:
+            continue  # in RawBatch.jagged; this slot stays 0 / invalid
+        col = _column(rb, n)
+        values[:, j] = _values(col, n)
+        valid[:, j] = col.is_valid().to_numpy(zero_copy_only=False)
     return torch.from_numpy(values), torch.from_numpy(valid)
+
+
+def _jagged(col: pa.Array, name: str) -> JaggedColumn:
+    """A list<int> column -> values / lengths / element validity; a null list becomes an empty list."""
+    lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat = col.flatten()  # skips the contents of null lists
+    values = _values(flat, name) if len(flat) else np.zeros(0, dtype=np.int64)
+    valid = flat.is_valid().to_numpy(zero_copy_only=False) if len(flat) else np.zeros(0, dtype=bool)
+    if int(lengths.sum()) != len(values):
+        raise ValueError(f"RawBatch.from_arrow: list column {name!r}: lengths and values disagree")
+    return JaggedColumn(torch.from_numpy(np.array(values)), torch.from_numpy(np.array(lengths)),
+                        torch.from_numpy(np.array(valid)))

@@ -1,8 +1,13 @@
-"""The Executor seam: plan + RawBatch -> (dense float32[B, Fd], KeyedJaggedTensor of ids). Eager torch here;
-fused / GPU executors plug in behind the same Protocol."""
+"""The Executor seam: plan + RawBatch -> (dense float32[B, Fd], KeyedJaggedTensor of ids).
+
+`make_executor(name, plan, dataset)` builds one: "eager" (one torch op per feature per op), "fused" (one
+custom-op launch per fused group, the default), "dali" (an NVIDIA DALI pipeline, fused for what DALI cannot
+express). `TorchExecutor` runs the exportable PreprocessModule (one value per row and feature, as RECom needs).
+"""
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import logging
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -43,8 +48,45 @@ class TorchExecutor:
 
     @torch.no_grad()
     def __call__(self, raw: RawBatch) -> tuple[Tensor, KeyedJaggedTensor]:
+        lists = [s for s in self.plan.sources() if s in raw.jagged]
+        if lists:
+            raise ValueError(f"TorchExecutor: list columns {lists} need make_executor('fused' | 'eager' | 'dali'); "
+                             "the module form takes one value per row")
         if raw.dense.device != self._device:
             self._device = raw.dense.device
             self.module.to(self._device)
         dense, ids = self.module(raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid)
         return dense, ids_to_kjt(ids, self.keys)
+
+
+    def describe(self) -> dict[str, Any]:
+        return {"executor": "module", "plan": self.plan.name, "groups": len(self.module.groups)}
+
+
+ExecutorName = Literal["eager", "fused", "dali"]
+EXECUTORS: tuple[str, ...] = ("eager", "fused", "dali")
+log = logging.getLogger(__name__)
+
+
+def make_executor(name: str, plan: Plan, dataset: DatasetConfig, **options: Any) -> Executor:
+    """Build the named executor for `plan` over `dataset` (the plan is validated: PlanError names feature and op).
+    Options: fused/dali take `method` ("milp" | "greedy") for the plan compiler; fused takes `prune` (skip values
+    no consumer reads, default True); dali takes `num_threads` and `device` ("cpu" | "gpu")."""
+    if name == "eager":
+        from recforge.preprocess.executors.eager import EagerExecutor
+
+        ex = EagerExecutor(plan, dataset)
+    elif name == "fused":
+        from recforge.preprocess.executors.fused import FusedExecutor
+
+        ex = FusedExecutor(plan, dataset, **options)
+    elif name == "dali":
+        from recforge.preprocess.executors.dali import DaliExecutor
+
+        ex = DaliExecutor(plan, dataset, **options)
+    elif name == "module":
+        ex = TorchExecutor(plan, dataset)
+    else:
+        raise ValueError(f"make_executor: unknown executor {name!r}; choose one of {list(EXECUTORS)}")
+    log.info("preprocessing executor %s for plan %s", name, plan.name)
+    return ex

@@ -1,8 +1,10 @@
-"""PreprocessModule: a plan compiled into grouped tensor ops, exportable with torch.export.
+"""PreprocessModule: a plan compiled into grouped tensor ops over stacked features, exportable with torch.export.
 
-Features whose op chains are the same (up to per-column parameters: sigrid_hash's M) form one group and run
-as one [B, g] tensor op per step ("horizontal fusion" at the torch level); outputs are put back in plan order
-with a fixed column permutation. No per-row Python, no data-dependent control flow.
+Features whose op chains are the same (up to per-feature scalar parameters: sigrid_hash's M, logit's eps, ...)
+form one group and run as one [B, g, w] tensor op per step ("horizontal fusion" at the torch level); outputs
+are put back in plan order with a fixed column permutation. No per-row Python, no data-dependent control flow.
+It takes scalar columns only and needs one value per row from every feature (RECom's form); list columns and
+multi-value features go through the executors (executor.make_executor).
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from recforge.config import DatasetConfig
-from recforge.preprocess.plan import FeaturePlan, Plan
+from recforge.preprocess.plan import FeaturePlan, Plan, PlanError
+from recforge.preprocess.registry import OPS, Value
 from recforge.preprocess.steps import PER_COLUMN, build_step
 
 
@@ -23,32 +26,50 @@ def _chain_key(f: FeaturePlan) -> tuple:
     )
 
 
+def _chain_values(f: FeaturePlan, source_kind: str) -> list[Value]:
+    """The input value (type, width) of each op of f's chain."""
+    v, out = Value("raw", 1), []
+    for op, p in f.parsed_ops():
+        out.append(v)
+        v = OPS[op].out(p, v, source_kind)
+    return out
+
+
 class _Group(nn.Module):
-    def __init__(self, kind: str, source_kind: str, features: list[FeaturePlan], columns: list[int]):
+    def __init__(self, kind: str, source_kind: str, features: list[FeaturePlan], columns: list[int],
+                 inline_hash: bool = False):
         super().__init__()
         self.kind, self.source_kind = kind, source_kind
         self.names = [f.name for f in features]
         self.register_buffer("index", torch.tensor(columns, dtype=torch.int64), persistent=False)
+        values = _chain_values(features[0], source_kind)
         self.steps = nn.ModuleList(
-            build_step(spec.op, spec.params, [f.ops[i].params for f in features], source_kind)
+            build_step(spec.op, spec.params, [f.ops[i].params for f in features], source_kind, values[i],
+                       inline_hash=inline_hash)
             for i, spec in enumerate(features[0].ops)
         )
 
     def forward(self, raw: Tensor, valid: Tensor) -> Tensor:
-        x = raw.index_select(1, self.index)
+        x = raw.index_select(1, self.index).unsqueeze(-1)  # [B, g, 1]
         v = valid.index_select(1, self.index)
         for step in self.steps:
             x = step(x, v)
-        return x
+        return x.squeeze(-1)
 
 
 class PreprocessModule(nn.Module):
     """forward(dense int64[B, Fd_in], dense_valid bool, sparse int64[B, Fs_in], sparse_valid bool)
     -> (dense_out float32[B, plan dense], ids int64[B, plan sparse]); inputs in dataset column order."""
 
-    def __init__(self, plan: Plan, dataset: DatasetConfig):
+    def __init__(self, plan: Plan, dataset: DatasetConfig, inline_hash: bool = False):
         super().__init__()
         plan.validate_for(dataset)
+        for f in plan.features:
+            if f.width != 1:
+                raise PlanError(
+                    f"PreprocessModule: feature {f.name!r} gives {f.width} values per row (op chain "
+                    f"{' -> '.join(s.op for s in f.ops)}); the module form needs one: use make_executor"
+                )
         self.plan, self.dataset = plan, dataset
         self.num_dense_in, self.num_sparse_in = len(dataset.dense), len(dataset.sparse)
         where = {n: ("dense", j) for j, n in enumerate(dataset.dense_names)}
@@ -57,7 +78,8 @@ class PreprocessModule(nn.Module):
         for f in plan.features:
             grouped.setdefault((f.kind, where[f.source][0], _chain_key(f)), []).append(f)
         self.groups = nn.ModuleList(
-            _Group(kind, src, fs, [where[f.source][1] for f in fs]) for (kind, src, _), fs in grouped.items()
+            _Group(kind, src, fs, [where[f.source][1] for f in fs], inline_hash)
+            for (kind, src, _), fs in grouped.items()
         )
         for kind, names in (("dense", plan.dense_features()), ("sparse", plan.sparse_features())):
             order = [n for g in self.groups if g.kind == kind for n in g.names]  # concatenation order

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from recforge.config import DatasetConfig
-from recforge.preprocess.registry import OPS, IdRange, OpError, ValueType, parse_params
+from recforge.preprocess.registry import OPS, IdRange, OpError, Value, ValueType, parse_params
 
 
 class PlanError(ValueError):
@@ -36,6 +36,10 @@ class FeaturePlan(_Strict):
     kind: Literal["dense", "sparse"]
     source: str = Field(min_length=1, description="column of the dataset the chain reads")
     ops: list[OpSpec] = Field(min_length=1)
+    table_rows: int | None = Field(
+        None, ge=1, description="sparse only: embedding rows, when the table is larger than the ids need "
+        "(RAP's plan 0 gives bucketize's 4 ids a 65,536-row table); default: exactly the id range"
+    )
 
     @model_validator(mode="after")
     def _check_ops(self) -> "FeaturePlan":
@@ -47,6 +51,8 @@ class FeaturePlan(_Strict):
             spec.params = parsed.model_dump(by_alias=True)  # canonical: defaults filled in
         if self.kind == "sparse":
             self.num_embeddings  # raises when the ids have no bound
+        elif self.table_rows is not None:
+            raise ValueError(f"feature {self.name!r}: table_rows is for sparse features only")
         return self
 
     def parsed_ops(self) -> list[tuple[str, Any]]:
@@ -68,25 +74,52 @@ class FeaturePlan(_Strict):
             raise ValueError(
                 f"feature {self.name!r}: ids from op chain {chain} are "
                 f"{'unbounded' if rng is None else f'in [{rng[0]}, {rng[1]}), may be negative'}; a sparse feature "
-                "needs ids in [0, N): end it with sigrid_hash, bucketize or clamp(lo >= 0)"
+                "needs ids in [0, N): end it with sigrid_hash, bucketize, mapid or clamp(lo >= 0)"
             )
+        if self.table_rows is not None:
+            if self.table_rows < rng[1]:
+                raise ValueError(
+                    f"feature {self.name!r}: table_rows={self.table_rows} is smaller than the id range "
+                    f"[0, {rng[1]}) its ops produce"
+                )
+            return self.table_rows
         return rng[1]
+
+    def values(self, source_kind: str = "sparse") -> Value:
+        """The type and width of the chain's output for a scalar source column (OpError if a step does not fit)."""
+        v = Value("raw", 1)
+        for op, p in self.parsed_ops():
+            v = OPS[op].out(p, v, source_kind)
+        return v
+
+    @property
+    def width(self) -> int:
+        """Values per row for a scalar source column (a list source column has its own length per row)."""
+        try:
+            return self.values("dense").width
+        except OpError:  # widths do not depend on the source kind, only the type checks do
+            return self.values("sparse").width
 
     def check_chain(self, source_kind: str) -> ValueType:
         """Walk the value types along the chain; PlanError names the feature and the op that does not fit."""
-        t: ValueType = "raw"
+        v = Value("raw", 1)
         for i, (op, p) in enumerate(self.parsed_ops()):
             try:
-                t = OPS[op].out_type(p, t, source_kind)
+                v = OPS[op].out(p, v, source_kind)
             except OpError as e:
                 raise PlanError(f"feature {self.name!r} (source {self.source!r}), op #{i} {op!r}: {e}") from None
         want = "float" if self.kind == "dense" else "id"
-        if t != want:
+        if v.type != want:
             raise PlanError(
-                f"feature {self.name!r}: op chain ends with {self.ops[-1].op!r} giving {t} values, "
+                f"feature {self.name!r}: op chain ends with {self.ops[-1].op!r} giving {v.type} values, "
                 f"a {self.kind} feature needs {want} values"
             )
-        return t
+        if self.kind == "dense" and v.width != 1:
+            raise PlanError(
+                f"feature {self.name!r}: op chain ends with {self.ops[-1].op!r} giving {v.width} values per row, "
+                "a dense feature needs one (end it with firstx(1))"
+            )
+        return v.type
 
 
 class Plan(_Strict):
@@ -117,10 +150,29 @@ class Plan(_Strict):
         for f in self.features:
             if f.source not in kinds:
                 raise PlanError(
-                    f"feature {f.name!r}: source column {f.source!r} is not a dense or sparse column of dataset "
-                    f"{dataset.name!r}"
+                    f"feature {f.name!r}: source column {f.source!r} (read by op #0 {f.ops[0].op!r}) is not a dense "
+                    f"or sparse column of dataset {dataset.name!r}"
                 )
             f.check_chain(kinds[f.source])
+
+    def sources(self) -> list[str]:
+        """The dataset columns the plan reads, in first-use order."""
+        return list(dict.fromkeys(f.source for f in self.features))
+
+    def with_table_cap(self, table_cap: int) -> "Plan":
+        """A copy whose sigrid_hash moduli and table_rows are at most `table_cap` (PipelineConfig.table_cap)."""
+        if table_cap < 1:
+            raise ValueError(f"with_table_cap: table_cap must be >= 1, got {table_cap}")
+        data = self.model_dump(mode="json")
+        for f in data["features"]:
+            for spec in f["ops"]:
+                if spec["op"] == "sigrid_hash":
+                    spec["params"]["M"] = min(spec["params"]["M"], table_cap)
+            if f.get("table_rows") is not None:
+                bound = FeaturePlan.model_validate({**f, "table_rows": None}).num_embeddings
+                f["table_rows"] = max(min(f["table_rows"], table_cap), bound)
+        capped = Plan.model_validate(data)
+        return capped if capped != self else self
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":

@@ -1,12 +1,14 @@
-"""The op vocabulary of a preprocessing plan: each op's parameters, the value type it takes and gives.
+"""The op vocabulary of a preprocessing plan: each op's parameters, the values it takes and gives.
 
-Value types along a feature's chain:
-  "raw"   the source column as stored in a shard: int64 with nulls (a RawBatch gives values + valid mask)
-  "float" float32 values (a dense feature's final type)
-  "id"    int64 ids (a sparse feature's final type)
+Values along a feature's chain have a type and a width:
+  type  "raw"   the source column as stored in a shard: int64 with nulls (a RawBatch gives values + valid mask)
+        "float" float32 values (a dense feature's final type)
+        "id"    int64 ids (a sparse feature's final type)
+  width values per row, for a scalar source column (1 after fill_null; onehot, firstx and ngram change it).
+        A list (multi-hot) source column has a width per row; the same rules apply row by row at run time.
 Every chain starts with fill_null, which turns a raw dense column into float and a raw sparse column into ids.
 Each op also maps the range of ids it outputs, so a sparse feature's embedding table size follows from its ops
-(sigrid_hash -> [0, M), bucketize -> [0, K], clamp -> [lo, hi]).
+(sigrid_hash -> [0, M), bucketize -> [0, K], clamp -> [lo, hi], mapid -> [0, max(map)]).
 """
 from __future__ import annotations
 
@@ -23,12 +25,26 @@ ValueType = Literal["raw", "float", "id"]
 IdRange = tuple[int, int] | None  # [lo, hi) of the ids a chain can produce; None = unbounded / not ids
 
 
+@dataclass(frozen=True)
+class Value:
+    """What flows between two ops of a chain (static): its type and how many values a row holds."""
+
+    type: ValueType
+    width: int
+
+
 class OpError(ValueError):
-    """An op cannot take its input (wrong value type) or its parameters do not fit."""
+    """An op cannot take its input (wrong value type or width) or its parameters do not fit."""
 
 
 class _Params(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+def _finite(name: str, v: float) -> float:
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite")
+    return v
 
 
 class FillNullParams(_Params):
@@ -37,9 +53,11 @@ class FillNullParams(_Params):
     @field_validator("value")
     @classmethod
     def _finite(cls, v: float) -> float:
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ValueError("value must be finite")
-        return v
+        return _finite("value", v) if isinstance(v, float) else v
+
+
+class CastParams(_Params):
+    to: Literal["float", "id"]
 
 
 class LogitParams(_Params):
@@ -52,9 +70,7 @@ class BoxCoxParams(_Params):
     @field_validator("lmbda")
     @classmethod
     def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("lambda must be finite")
-        return v
+        return _finite("lambda", v)
 
 
 class BucketizeParams(_Params):
@@ -90,6 +106,34 @@ class SigridHashParams(_Params):
     M: int = Field(ge=1, le=INT64_MAX)
 
 
+class OneHotParams(_Params):
+    lo: int | float
+    hi: int | float
+    C: int = Field(ge=1, le=1 << 16, description="number of classes: the output width")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "OneHotParams":
+        if not (math.isfinite(self.lo) and math.isfinite(self.hi)) or not self.lo < self.hi:
+            raise ValueError(f"need finite lo < hi, got lo={self.lo} hi={self.hi}")
+        return self
+
+
+class NGramParams(_Params):
+    n: int = Field(ge=1, le=1 << 10)
+
+
+class MapIdParams(_Params):
+    map: list[int] = Field(min_length=1)
+
+    @field_validator("map")
+    @classmethod
+    def _int64(cls, v: list[int]) -> list[int]:
+        bad = [x for x in v if not INT64_MIN <= x <= INT64_MAX]
+        if bad:
+            raise ValueError(f"map values must fit int64, got {bad[:3]}")
+        return v
+
+
 def _is_id(v: float) -> bool:
     """An integral value that fits int64 (ints, or floats such as 0.0 that hold one)."""
     return (isinstance(v, int) or (isinstance(v, float) and v.is_integer())) and INT64_MIN <= v <= INT64_MAX
@@ -101,44 +145,72 @@ def _expect(got: ValueType, *allowed: ValueType) -> None:
         raise OpError(f"takes {' or '.join(allowed)} values, got {got}{hint}")
 
 
-def _fill_null_type(p: FillNullParams, t: ValueType, src: str) -> ValueType:
-    _expect(t, "raw")
+def _fill_null_out(p: FillNullParams, v: Value, src: str) -> Value:
+    _expect(v.type, "raw")
     if src == "dense":
-        return "float"
-    if not _is_id(p.value):
-        raise OpError(f"fill value for a sparse (id) column must be an int64 integer, got {p.value}")
-    return "id"
+        return Value("float", 1)
+    if not _is_id(p.value) or abs(p.value) > 2**53:
+        raise OpError(f"fill value for a sparse (id) column must be an integer within +-2**53 (kernels pass fill "
+                      f"values as float64), got {p.value}")
+    return Value("id", 1)
 
 
-def _float_to_float(p: Any, t: ValueType, src: str) -> ValueType:
-    _expect(t, "float")
-    return "float"
+def _cast_out(p: CastParams, v: Value, src: str) -> Value:
+    _expect(v.type, "float", "id")
+    return Value(p.to, v.width)
 
 
-def _bucketize_type(p: BucketizeParams, t: ValueType, src: str) -> ValueType:
-    _expect(t, "float")
-    return "id"
+def _float_to_float(p: Any, v: Value, src: str) -> Value:
+    _expect(v.type, "float")
+    return v
 
 
-def _clamp_type(p: ClampParams, t: ValueType, src: str) -> ValueType:
-    _expect(t, "float", "id")
-    if t == "id" and not (_is_id(p.lo) and _is_id(p.hi)):
+def _bucketize_out(p: BucketizeParams, v: Value, src: str) -> Value:
+    _expect(v.type, "float")
+    return Value("id", v.width)
+
+
+def _clamp_out(p: ClampParams, v: Value, src: str) -> Value:
+    _expect(v.type, "float", "id")
+    if v.type == "id" and not (_is_id(p.lo) and _is_id(p.hi)):
         raise OpError(f"bounds for ids must be int64 integers, got lo={p.lo} hi={p.hi}")
-    return t
+    return v
 
 
-def _firstx_type(p: FirstXParams, t: ValueType, src: str) -> ValueType:
-    _expect(t, "float", "id")
-    return t
+def _firstx_out(p: FirstXParams, v: Value, src: str) -> Value:
+    _expect(v.type, "float", "id")
+    return Value(v.type, min(p.X, v.width))
 
 
-def _sigrid_hash_type(p: SigridHashParams, t: ValueType, src: str) -> ValueType:
-    _expect(t, "id")
-    return "id"
+def _ids_out(p: Any, v: Value, src: str) -> Value:
+    _expect(v.type, "id")
+    return v
+
+
+def _onehot_out(p: OneHotParams, v: Value, src: str) -> Value:
+    _expect(v.type, "float", "id")
+    if v.width != 1:
+        raise OpError(f"takes one value per row, got {v.width} (put firstx(1) before it)")
+    return Value("float", p.C)
+
+
+def ngram_width(n: int, w: int) -> int:
+    """Values a row of w values holds after ngram(n): every window of n' = min(n, w) values, concatenated."""
+    k = min(n, w)
+    return (w - k + 1) * k
+
+
+def _ngram_out(p: NGramParams, v: Value, src: str) -> Value:
+    _expect(v.type, "float", "id")
+    return Value(v.type, ngram_width(p.n, v.width))
 
 
 def _no_ids(p: Any, rng: IdRange) -> IdRange:
     return None
+
+
+def _same_ids(p: Any, rng: IdRange) -> IdRange:
+    return rng
 
 
 def _clamp_ids(p: ClampParams, rng: IdRange) -> IdRange:
@@ -151,28 +223,53 @@ def _clamp_ids(p: ClampParams, rng: IdRange) -> IdRange:
     return lo, hi + 1
 
 
+def _mapid_ids(p: MapIdParams, rng: IdRange) -> IdRange:
+    return min(0, min(p.map)), max(0, max(p.map)) + 1  # ids outside the map give 0
+
+
+def _cast_ids(p: CastParams, rng: IdRange) -> IdRange:
+    return rng if p.to == "id" else None
+
+
 @dataclass(frozen=True)
 class OpDef:
     name: str
     params: type[_Params]
-    out_type: Callable[[Any, ValueType, str], ValueType]  # (params, input type, source column kind); OpError
+    out: Callable[[Any, Value, str], Value]  # (params, input value, source column kind) -> output; OpError
     out_ids: Callable[[Any, IdRange], IdRange]  # (params, input id range) -> output id range
+    elementwise: bool  # each output value depends on one input value (so jagged rows keep their lengths)
     doc: str
+
+    def out_type(self, p: Any, t: ValueType, src: str) -> ValueType:
+        """The output type for a width-1 input (kept for callers that only track types)."""
+        return self.out(p, Value(t, 1), src).type
 
 
 OPS: dict[str, OpDef] = {
     d.name: d
     for d in [
-        OpDef("fill_null", FillNullParams, _fill_null_type, _no_ids,
-              "null -> value; dense -> float32, sparse -> int64"),
-        OpDef("logit", LogitParams, _float_to_float, _no_ids, "t = clamp(x, eps, 1-eps); ln(t / (1-t))"),
-        OpDef("boxcox", BoxCoxParams, _float_to_float, _no_ids, "x > 0: ln x (lambda 0) or (x^lambda - 1)/lambda"),
-        OpDef("bucketize", BucketizeParams, _bucketize_type, lambda p, r: (0, len(p.borders) + 1),
-              "#{i: x > borders[i]} (float32 compare)"),
-        OpDef("clamp", ClampParams, _clamp_type, _clamp_ids, "min(max(x, lo), hi)"),
-        OpDef("firstx", FirstXParams, _firstx_type, lambda p, r: r, "keep the first X values of each row"),
-        OpDef("sigrid_hash", SigridHashParams, _sigrid_hash_type, lambda p, r: (0, p.M),
+        OpDef("fill_null", FillNullParams, _fill_null_out, _no_ids, True,
+              "null -> value; dense -> float32, sparse -> int64 (in a list column: null elements; a null list "
+              "is an empty list)"),
+        OpDef("cast", CastParams, _cast_out, _cast_ids, True,
+              "to float32 (round to nearest) or to int64 (truncate; NaN -> 0; beyond int64 saturates)"),
+        OpDef("logit", LogitParams, _float_to_float, _no_ids, True,
+              "t = clamp(x, eps, 1-eps) (float32); ln(t / (1-t)) in float64, rounded to float32"),
+        OpDef("boxcox", BoxCoxParams, _float_to_float, _no_ids, True,
+              "x > 0: ln x (lambda 0) or (x^lambda - 1)/lambda in float64, rounded to float32; x <= 0 and NaN "
+              "unchanged"),
+        OpDef("bucketize", BucketizeParams, _bucketize_out, lambda p, r: (0, len(p.borders) + 1), True,
+              "#{i: x > borders[i]} (float32 compare; NaN -> 0)"),
+        OpDef("clamp", ClampParams, _clamp_out, _clamp_ids, True, "min(max(x, lo), hi); NaN stays NaN"),
+        OpDef("firstx", FirstXParams, _firstx_out, _same_ids, False, "keep the first X values of each row"),
+        OpDef("sigrid_hash", SigridHashParams, _ids_out, lambda p, r: (0, p.M), True,
               "TorchArrow sigrid_hash(salt) floor-mod M"),
+        OpDef("onehot", OneHotParams, _onehot_out, _no_ids, False,
+              "C floats, 1 at i = trunc((x - lo) / ((hi - lo) / C)) in float32, 0 elsewhere; i = 0 when it falls "
+              "outside [0, C) (NaN, +-inf included)"),
+        OpDef("ngram", NGramParams, _ngram_out, _same_ids, False,
+              "all windows of n' = min(n, w) consecutive values, concatenated: (w - n' + 1) * n' values"),
+        OpDef("mapid", MapIdParams, _ids_out, _mapid_ids, True, "map[x] for 0 <= x < len(map), else 0"),
     ]
 }
 

@@ -18,6 +18,7 @@ class WorkerSpec(BaseModel):
 
     manifest_dir: Path = Field(description="directory holding manifest.json of the training shards")
     plan_path: Path = Field(description="preprocessing Plan as JSON")
+    preprocess_executor: str = Field("fused", description="eager | fused | dali (recforge.preprocess.executor.make_executor)")
     dataset: DatasetConfig
     model: ModelConfig
     train: TrainConfig

@@ -53,7 +53,7 @@ def _metrics_sink(spec: WorkerSpec):
 
 def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> dict[str, Any] | None:
     from recforge.elastic.client import MasterClient
-    from recforge.preprocess.executor import TorchExecutor
+    from recforge.preprocess.executor import make_executor
     from recforge.preprocess.plan import Plan
     from recforge.train.batches import TaskBatches, empty
     from recforge.train.checkpoint import save_checkpoint
@@ -72,7 +72,7 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> d
     torch.manual_seed(spec.seed)
     model = build_dlrm(spec.model, tables, num_dense, device)
     sharded = shard_model(model, spec.train, world_size=world_size, device=device)
-    executor = TorchExecutor(plan, spec.dataset)
+    executor = make_executor(spec.preprocess_executor, plan, spec.dataset)  # PipelineConfig.preprocess_executor
     bs = spec.train.batch_size
     zero_batch = empty(spec.dataset, bs, executor, device)
 

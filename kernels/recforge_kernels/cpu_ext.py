@@ -1,0 +1,82 @@
+"""Builds csrc/fused_cpu.cpp on first use (torch.utils.cpp_extension.load) and loads its `recforge_cpu` ops.
+
+Why C++: the same ops as vectorized torch pay one pass over memory (and an allocation) per arithmetic step, and
+the 64-bit hash is ~25 steps; bench/bench_preprocess.py measures the difference. The build is cached under
+$RECFORGE_KERNELS_CACHE, else ~/.cache/recforge/torch_extensions (see cache_dir), in a folder named after a hash of the source, the flags, the torch version and this CPU's model and flags (the code is
+built with -march=native, so a cache must not travel to another CPU). Set RECFORGE_NO_CPP=1 to skip it: the
+fused ops then run their torch fallback. Build failures are logged once and fall back the same way.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "fused_cpu.cpp"
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_signature() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+        return "\n".join(lines)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    """$RECFORGE_KERNELS_CACHE, else ~/.cache/recforge/torch_extensions (not $RECFORGE_HOME: tests and pipeline
+    runs use throwaway homes, and every one would rebuild), else $RECFORGE_HOME/torch_extensions without a home."""
+    if os.environ.get("RECFORGE_KERNELS_CACHE"):
+        return Path(os.environ["RECFORGE_KERNELS_CACHE"])
+    try:
+        return Path.home() / ".cache" / "recforge" / "torch_extensions"
+    except RuntimeError:  # no home directory
+        return Path(os.environ.get("RECFORGE_HOME", ".recforge")) / "torch_extensions"
+
+
+def build_name() -> str:
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(), _cpu_signature().encode()):
+        h.update(part)
+    return f"recforge_fused_cpu_{h.hexdigest()[:16]}"
+
+
+def load(verbose: bool = False) -> bool:
+    """Build (first time) and load the extension; True when `torch.ops.recforge_cpu` is usable."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        if os.environ.get("RECFORGE_NO_CPP") == "1":
+            _state["ok"], _state["why"] = False, "RECFORGE_NO_CPP=1"
+            return False
+        try:
+            from torch.utils.cpp_extension import load as load_ext
+
+            name = build_name()
+            build = cache_dir() / name
+            build.mkdir(parents=True, exist_ok=True)
+            load_ext(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, build_directory=str(build),
+                     is_python_module=False, verbose=verbose)
+            torch.ops.recforge_cpu.sigrid_hash  # noqa: B018 (raises if the library did not register)
+            _state["ok"], _state["why"] = True, f"built in {build}"
+        except Exception as e:  # no compiler, headers, ...: the torch fallback still gives the same values
+            log.warning("recforge_kernels: the C++ CPU kernels could not be built (%s); using the torch fallback", e)
+            _state["ok"], _state["why"] = False, repr(e)
+        return bool(_state["ok"])
+
+
+def status() -> str:
+    """Why the extension is (not) in use, for logs and benchmark reports."""
+    return str(_state.get("why", "not loaded yet"))

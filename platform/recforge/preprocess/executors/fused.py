@@ -1,0 +1,255 @@
+"""The fused executor: the compiled plan's groups in layer order, one `recforge::fused_*` call per group.
+
+A group whose members differ in form is split into one call per form: fill_null over dense raw columns, sparse
+raw columns and list columns; clamp / cast by value type; firstx / ngram over fixed-width and list values.
+RAP's plans give one call per group.
+
+Pruning (prune=True): over fixed-width rows, values no consumer reads are not computed. Each node's demand is the
+longest row prefix its consumers read (firstx(X) reads X; onehot one value; ngram(n) with demand d <= k reads d;
+elementwise ops pass demand through; a feature's output is read whole). onehot then writes only its first
+`demand` classes and an ngram whose first window covers its demand is a slice of its input. RAP's plans 2 and 3
+build 8- and 20-value rows (onehot -> ngram) and keep one value (firstx(1)): the results are the same.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import recforge_kernels  # noqa: F401  (registers recforge::fused_*)
+from recforge_kernels import fused as fused_ops
+from recforge_kernels.fused import eager_impl
+from recforge.config import DatasetConfig
+from recforge.preprocess.batch import RawBatch
+from recforge.preprocess.columns import BatchError, Col, check_batch, finish, sources
+from recforge.preprocess.compiler import CompiledPlan, FusedGroup, compile_plan
+from recforge.preprocess.graph import Node
+from recforge.preprocess.ops import logit_bounds
+from recforge.preprocess.plan import Plan
+
+class _Kernels:
+    """recforge::fused_* by name, called through their Python bodies (recforge_kernels.fused.eager_impl): the same
+    kernels without the per-call dispatcher layers; torch.compile / export of the ops themselves is unaffected."""
+
+    def __getattr__(self, name: str):
+        op = eager_impl(getattr(fused_ops, name))
+        setattr(self, name, op)
+        return op
+
+
+F = _Kernels()
+
+
+def _flat_lists(lists: list[list], dtype: torch.dtype) -> tuple[Tensor, list[int]]:
+    """Per-feature lists back to back, with offsets (len = features + 1)."""
+    offsets = [0]
+    for x in lists:
+        offsets.append(offsets[-1] + len(x))
+    return torch.tensor([v for x in lists for v in x], dtype=dtype), offsets
+
+
+class FusedExecutor:
+    name = "fused"
+
+    def __init__(self, plan: Plan, dataset: DatasetConfig, method: str = "milp",
+                 compiled: CompiledPlan | None = None, prune: bool = True):
+        plan.validate_for(dataset)
+        self.plan, self.dataset, self.prune = plan, dataset, prune
+        self.compiled = compiled if compiled is not None else compile_plan(plan, method=method)
+        self._nodes = {n.id: n for n in self.compiled.graph.nodes}
+        self._width, self.demand = self._demands()
+        self._sources = sources(dataset)
+        self._tables: dict[tuple[int, str], Tensor] = {}  # (group index, device) -> flat borders / map table
+        self._plans: dict[tuple, list] = {}  # (group, device) -> [(member indices, call)] of an elementwise group
+        self.calls = 0  # op calls made by the last batch
+
+    @torch.no_grad()
+    def __call__(self, raw: RawBatch) -> tuple[Tensor, KeyedJaggedTensor]:
+        check_batch(raw, self.dataset, self.plan)
+        vals: dict[int, Col] = {}
+        self.calls = 0
+        for gi, group in enumerate(self.compiled.groups):
+            self.run_group(gi, group, raw, vals)
+        outputs = {f: vals[n] for f, n in self.compiled.graph.outputs.items()}
+        return finish(self.plan, outputs, raw.rows, raw.dense.device)
+
+    def describe(self) -> dict[str, Any]:
+        pruned = sum(1 for d in self.demand.values() if d is not None) if self.prune else 0
+        return {"executor": self.name, "pruned_nodes": pruned, **self.compiled.summary()}
+
+    def _demands(self) -> tuple[dict[int, int], dict[int, int | None]]:
+        """Static row widths (scalar sources) and the row prefix each node's consumers read (None: all)."""
+        graph = self.compiled.graph
+        width: dict[int, int] = {}
+        for n in graph.nodes:
+            w = 1 if n.parent is None else width[n.parent]
+            p = n.params
+            if n.op == "onehot":
+                w = p["C"]
+            elif n.op == "firstx":
+                w = min(p["X"], w)
+            elif n.op == "ngram":
+                w = (w - min(p["n"], w) + 1) * min(p["n"], w)
+            width[n.id] = w
+        outputs = set(graph.outputs.values())
+        demand: dict[int, int | None] = {}
+        for n in reversed(graph.nodes):  # consumers first
+            reads: list[int | None] = [None] if n.id in outputs else []
+            for c in graph.children.get(n.id, []):
+                reads.append(self._input_demand(self._nodes[c], demand[c], width[n.id]))
+            demand[n.id] = None if (not reads or None in reads) else max(reads)
+        return width, demand
+
+    @staticmethod
+    def _input_demand(node: Node, d_out: int | None, w_in: int) -> int | None:
+        if node.op == "firstx":
+            return node.params["X"] if d_out is None else min(node.params["X"], d_out)
+        if node.op == "onehot":
+            return 1
+        if node.op == "ngram":
+            return d_out if d_out is not None and d_out <= min(node.params["n"], w_in) else None
+        return d_out
+
+    # ------------------------------------------------------------------ one group
+
+    def run_group(self, gi: int, group: FusedGroup, raw: RawBatch, vals: dict[int, Col]) -> None:
+        nodes = [self._nodes[i] for i in group.nodes]
+        if group.op == "fill_null":
+            self._fill_null(nodes, raw, vals)
+            return
+        cols = [vals[n.parent] for n in nodes]
+        if group.op in ("firstx", "ngram"):
+            self._rows_op(group.op, nodes, cols, vals)
+        elif group.op == "onehot":
+            for n, c in zip(nodes, cols):
+                if c.jagged or c.values.shape[1] != 1:
+                    feats = ", ".join(repr(f) for f in self.compiled.graph.features_of(n.id))
+                    raise BatchError(f"feature {feats}, op 'onehot': takes one value per row, got a list column "
+                                     f"{n.source!r}")
+            keep = [n.params["C"] if not self.prune or self.demand[n.id] is None else self.demand[n.id]
+                    for n in nodes]
+            outs = self._call(F.fused_onehot, [c.values for c in cols], [float(n.params["lo"]) for n in nodes],
+                              [float(n.params["hi"]) for n in nodes], [n.params["C"] for n in nodes], keep)
+            for n, o in zip(nodes, outs):
+                vals[n.id] = Col(o)
+        else:
+            key = (gi, str(cols[0].values.device))
+            if key not in self._plans:  # value types are static: the split and the parameters are built once
+                self._plans[key] = self._elementwise(gi, group.op, nodes, cols)
+            for part, fn in self._plans[key]:
+                outs = fn([cols[i].values for i in part])
+                for i, o in zip(part, outs):
+                    vals[nodes[i].id] = Col(o, cols[i].lengths)
+
+    def _call(self, op: Callable, *args):
+        self.calls += 1
+        return op(*args)
+
+    def _fill_null(self, nodes: list[Node], raw: RawBatch, vals: dict[int, Col]) -> None:
+        parts: dict[str, list[Node]] = {"dense": [], "sparse": [], "list": []}
+        for n in nodes:
+            kind = self._sources[n.source].kind
+            parts["list" if kind == "sparse" and n.source in raw.jagged else kind].append(n)
+        for kind in ("dense", "sparse"):
+            if parts[kind]:
+                matrix, valid = (raw.dense, raw.dense_valid) if kind == "dense" else (raw.sparse, raw.sparse_valid)
+                outs = self._call(F.fused_fill_null_columns, matrix, valid,
+                                  [self._sources[n.source].index for n in parts[kind]],
+                                  [float(n.params["value"]) for n in parts[kind]], kind == "dense")
+                for n, o in zip(parts[kind], outs):
+                    vals[n.id] = Col(o.unsqueeze(1))
+        if parts["list"]:
+            jcs = [raw.jagged[n.source] for n in parts["list"]]
+            outs = self._call(F.fused_fill_null, [j.values for j in jcs], [j.valid for j in jcs],
+                              [float(n.params["value"]) for n in parts["list"]], False)
+            for n, o, j in zip(parts["list"], outs, jcs):
+                vals[n.id] = Col(o, j.lengths)
+
+    def _rows_op(self, op: str, nodes: list[Node], cols: list[Col], vals: dict[int, Col]) -> None:
+        key = "X" if op == "firstx" else "n"
+        fixed = []
+        for i, c in enumerate(cols):
+            if c.jagged:
+                continue
+            w, k = c.values.shape[1], nodes[i].params[key]
+            d = self.demand[nodes[i].id] if self.prune else None
+            if op == "ngram" and d is not None and d <= min(k, self._width[nodes[i].parent]):
+                vals[nodes[i].id] = Col(c.values[:, :d])  # the first window's prefix is all anyone reads
+                continue
+            if op == "firstx" or k >= w:
+                # fixed-width rows: firstx is a column slice and ngram with n >= w the identity; a view, no copy
+                # (eager's x[:, :X] is a view too); the kernels and stack_columns read strided columns
+                vals[nodes[i].id] = Col(c.values[:, :k] if op == "firstx" else c.values)
+            else:
+                fixed.append(i)
+        lists = [i for i, c in enumerate(cols) if c.jagged]
+        if fixed:
+            fn = F.fused_firstx if op == "firstx" else F.fused_ngram
+            outs = self._call(fn, [cols[i].values for i in fixed], [nodes[i].params[key] for i in fixed])
+            for i, o in zip(fixed, outs):
+                vals[nodes[i].id] = Col(o)
+        if lists:
+            fn = F.fused_firstx_jagged if op == "firstx" else F.fused_ngram_jagged
+            outs = self._call(fn, [cols[i].values for i in lists], [cols[i].lengths for i in lists],
+                              [nodes[i].params[key] for i in lists])
+            k = len(lists)
+            for j, i in enumerate(lists):
+                vals[nodes[i].id] = Col(outs[j], outs[k + j])
+
+    def _table(self, gi: int, lists: list[list], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, list[int]]:
+        flat, offsets = _flat_lists(lists, dtype)
+        key = (gi, str(device))
+        if key not in self._tables:
+            self._tables[key] = flat.to(device)
+        return self._tables[key], offsets
+
+    def _elementwise(self, gi: int, op: str, nodes: list[Node], cols: list[Col]):
+        """[(member indices, fn(values list) -> outputs)] for an elementwise group, split by input dtype where the
+        op's kernel depends on it."""
+        every = list(range(len(nodes)))
+        p = [n.params for n in nodes]
+        device = cols[0].values.device
+        call = self._call
+        if op == "sigrid_hash":
+            salts, moduli = [q["salt"] for q in p], [q["M"] for q in p]
+            return [(every, lambda xs: call(F.fused_sigrid_hash, xs, salts, moduli))]
+        if op == "logit":
+            bounds = [logit_bounds(q["eps"]) for q in p]
+            lo, hi = [b[0] for b in bounds], [b[1] for b in bounds]
+            return [(every, lambda xs: call(F.fused_logit, xs, lo, hi))]
+        if op == "boxcox":
+            lambdas = [float(q["lambda"]) for q in p]
+            return [(every, lambda xs: call(F.fused_boxcox, xs, lambdas))]
+        if op == "bucketize":
+            table, off = self._table(gi, [q["borders"] for q in p], torch.float32, device)
+            return [(every, lambda xs: call(F.fused_bucketize, xs, table, off))]
+        if op == "mapid":
+            table, off = self._table(gi, [q["map"] for q in p], torch.int64, device)
+            return [(every, lambda xs: call(F.fused_mapid, xs, table, off))]
+        if op == "clamp":
+            ids = [i for i in every if cols[i].values.dtype == torch.int64]
+            fl = [i for i in every if i not in ids]
+            out = []
+            if ids:
+                lo_i, hi_i = [int(p[i]["lo"]) for i in ids], [int(p[i]["hi"]) for i in ids]
+                out.append((ids, lambda xs: call(F.fused_clamp_id, xs, lo_i, hi_i)))
+            if fl:
+                lo_f, hi_f = [float(p[i]["lo"]) for i in fl], [float(p[i]["hi"]) for i in fl]
+                out.append((fl, lambda xs: call(F.fused_clamp_float, xs, lo_f, hi_f)))
+            return out
+        if op == "cast":
+            out = []
+            for target, fn in (("float", F.fused_cast_float), ("id", F.fused_cast_id)):
+                idx = [i for i in every if p[i]["to"] == target]
+                if idx:
+                    # a cast to the type the values already have is a copy; the kernels take the other type only
+                    same = [i for i in idx if (cols[i].values.dtype == torch.float32) == (target == "float")]
+                    conv = [i for i in idx if i not in same]
+                    if same:
+                        out.append((same, lambda xs: [x.clone() for x in xs]))
+                    if conv:
+                        out.append((conv, lambda xs, fn=fn: call(fn, xs)))
+            return out
+        raise ValueError(f"FusedExecutor: no fused kernel for op {op!r}")

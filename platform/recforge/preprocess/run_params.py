@@ -1,0 +1,42 @@
+"""What a pipeline run logs about its preprocessing (MLflow params + one JSON artifact): executor, plan, groups."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from recforge.config import DatasetConfig
+from recforge.preprocess.compiler import compile_plan
+from recforge.preprocess.plan import Plan
+
+log = logging.getLogger(__name__)
+MAX_PARAM = 5000  # MLflow caps a param value at 6000 characters
+
+
+def preprocess_params(plan: Plan, dataset: DatasetConfig, executor: str, plan_source: str) -> tuple[dict, dict]:
+    """(flat MLflow params, full summary for an artifact). The fused groups come from compiling the plan as the
+    workers will; with the dali executor the ops DALI cannot express are listed (they run on fused)."""
+    compiled = compile_plan(plan)
+    summary: dict[str, Any] = {"executor": executor, "plan_source": plan_source, **compiled.summary()}
+    groups = ", ".join(g.name for g in compiled.groups)
+    params = {
+        "preprocess_executor": executor,
+        "preprocess_plan": plan_source,
+        "preprocess_plan_name": plan.name,
+        "preprocess_features": f"{len(plan.dense_features())} dense, {len(plan.sparse_features())} sparse",
+        "preprocess_fused_groups": len(compiled.groups),
+        "preprocess_groups": groups if len(groups) <= MAX_PARAM else groups[:MAX_PARAM - 3] + "...",
+        "preprocess_compiler": f"{compiled.method} ({compiled.solver_status}, objective {compiled.objective})",
+    }
+    if executor == "dali":
+        from recforge.preprocess.executors.dali import fallback_summary
+
+        fb = fallback_summary(compiled, dataset)
+        summary["dali"] = fb
+        params["preprocess_dali_fallback_ops"] = fb["fallback_ops"]
+        params["preprocess_dali_fallback"] = str(fb["fallback_by_op"])[:MAX_PARAM]
+        if fb["fallback_ops"]:
+            log.warning("dali executor: %d ops of plan %s run on the fused executor: %s", fb["fallback_ops"],
+                        plan.name, fb["fallback_reasons"])
+    log.info("preprocessing: executor %s, plan %s (%s), %d fused groups", executor, plan.name, plan_source,
+             len(compiled.groups))
+    return params, summary

@@ -1,0 +1,95 @@
+"""Preset plans 0-3 (YAML data files) and their datasets; load_plan by name or path."""
+from __future__ import annotations
+
+import pytest
+
+from recforge.config import CRITEO_KAGGLE_CARDINALITIES, criteo_kaggle_dataset
+from recforge.preprocess.plan import Plan, PlanError
+from recforge.preprocess.presets import PRESET_PLANS, load_plan, preset_dataset, preset_path
+from recforge.preprocess.presets.datasets import CRITEO_TERABYTE_CARDINALITIES
+
+
+def chain(plan: Plan, name: str) -> list[str]:
+    return [s.op for s in next(f for f in plan.features if f.name == name).ops]
+
+
+@pytest.mark.parametrize("name", PRESET_PLANS)
+def test_presets_load_and_validate(name):
+    ds = preset_dataset(name)
+    p = load_plan(name, ds)
+    assert preset_path(name).exists() and p.name == f"rap_{name}"
+    assert all(f.width == 1 for f in p.features)  # RAP's plans end every chain with one value per row
+    assert set(p.sources()) <= set(ds.dense_names) | set(ds.sparse_names)
+
+
+@pytest.mark.parametrize("name,cards", [("plan0", CRITEO_KAGGLE_CARDINALITIES), ("plan1", CRITEO_TERABYTE_CARDINALITIES)])
+def test_plans_0_and_1(name, cards):
+    p = load_plan(name, preset_dataset(name))
+    assert p.dense_features() == [f"I{i}" for i in range(1, 14)]
+    assert p.sparse_features() == [f"C{i}" for i in range(1, 27)] + ["I1_bucketize"]
+    assert [n for _, n in p.tables()] == cards + [65536]
+    assert chain(p, "I5") == ["fill_null", "logit"]
+    assert chain(p, "C7") == ["fill_null", "sigrid_hash", "firstx"]
+    bucket = next(f for f in p.features if f.name == "I1_bucketize")
+    assert bucket.source == "I1" and bucket.ops[1].params == {"borders": [0.5, 1.0, 1.5]}
+    assert p.features[0].ops[1].params == {"eps": 1e-5}
+
+
+def test_plan0_totals_match_rap():
+    assert sum(n for _, n in load_plan("plan0").tables()) == 33_762_577 + 65_536
+    assert sum(n for _, n in load_plan("plan1").tables()) == 177_944_275 + 65_536
+
+
+@pytest.mark.parametrize("name,nd,ns,groups", [
+    ("plan2", 26, 52, {"logit": 7, "boxcox": 9, "onehot": 10, "hash4": 11, "clamp": 16, "firstx": 12, "ngram": 13}),
+    ("plan3", 52, 104, {"logit": 16, "boxcox": 21, "onehot": 15, "hash4": 25, "clamp": 28, "firstx": 25, "ngram": 26}),
+])
+def test_plans_2_and_3(name, nd, ns, groups):
+    ds = preset_dataset(name)
+    assert (len(ds.dense), len(ds.sparse)) == (nd, ns)
+    p = load_plan(name, ds)
+    assert len(p.sparse_features()) == ns and len(p.dense_features()) == nd + groups["ngram"]
+    assert all(n == 65536 for _, n in p.tables())
+    chains = [tuple(s.op for s in f.ops) for f in p.features]
+    assert chains.count(("fill_null",) + ("logit",) * 4) == groups["logit"]
+    assert chains.count(("fill_null",) + ("boxcox",) * 4) == groups["boxcox"]
+    assert chains.count(("fill_null", "onehot", "firstx")) == groups["onehot"]
+    assert chains.count(("fill_null",) + ("sigrid_hash",) * 4) == groups["hash4"]
+    assert chains.count(("fill_null",) + ("clamp",) * 4) == groups["clamp"]
+    assert chains.count(("fill_null", "sigrid_hash", "firstx")) == groups["firstx"]
+    assert chains.count(("fill_null", "sigrid_hash", "ngram", "firstx")) == groups["ngram"]
+    assert chains.count(("fill_null", "onehot", "ngram", "firstx")) == groups["ngram"]
+    onehot = next(f for f in p.features if f.ops[1].op == "onehot" and f.kind == "dense")
+    assert onehot.ops[1].params == {"lo": 0.0, "hi": 16.0, "C": 5}
+
+
+def test_load_plan_by_path_criteo_and_errors(tmp_path):
+    ds = criteo_kaggle_dataset()
+    path = load_plan("plan0").save(tmp_path / "p.json")
+    assert load_plan(str(path), ds) == load_plan("plan0")
+    assert load_plan("criteo", ds, table_cap=1000).tables()[2] == ("C3", 1000)
+    assert load_plan("plan0", table_cap=1000).tables()[2] == ("C3", 1000)
+    with pytest.raises(ValueError, match="needs the dataset"):
+        load_plan("criteo")
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_plan("plan9")
+    with pytest.raises(FileNotFoundError):
+        load_plan(tmp_path / "missing.yaml")
+    with pytest.raises(PlanError, match="feature 'I14'.*source column 'I14'"):
+        load_plan("plan2", ds)  # plan 2 reads 26 dense columns; Criteo has 13
+
+
+def test_run_params_name_executor_plan_groups_and_dali_fallbacks():
+    from recforge.preprocess.run_params import preprocess_params
+
+    ds = preset_dataset("plan2")
+    params, summary = preprocess_params(load_plan("plan2", ds), ds, "dali", "plan2")
+    assert params["preprocess_executor"] == "dali" and params["preprocess_plan"] == "plan2"
+    assert params["preprocess_plan_name"] == "rap_plan2" and params["preprocess_fused_groups"] == len(summary["groups"])
+    assert "L0:fill_null_densex39" in params["preprocess_groups"]
+    assert params["preprocess_dali_fallback_ops"] == summary["dali"]["fallback_ops"] > 0
+    assert "onehot" in params["preprocess_dali_fallback"] and "select" in summary["dali"]["fallback_reasons"][
+        "boxcox_dense"]
+    fused, _ = preprocess_params(load_plan("plan0", preset_dataset("plan0")), preset_dataset("plan0"), "fused", "plan0")
+    assert "preprocess_dali_fallback" not in fused and fused["preprocess_compiler"].startswith("milp (optimal")
+    assert all(len(str(v)) <= 6000 for v in params.values())  # MLflow's limit
