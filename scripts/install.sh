@@ -4,8 +4,9 @@
 #   1. pip itself, pinned by requirements/lock.txt
 #   2. torch.txt + base.txt + test.txt, constrained by the lock
 #   3. nodeps.txt (torchrec) with --no-deps: its declared dependency is the CUDA fbgemm-gpu
-#   4. recforge itself, editable, --no-deps
-# usage: scripts/install.sh VENV [deps|project|all]      (deps = steps 1-3, project = step 4)
+#   4. emulator.txt (kmock, the Kubernetes API emulator the k8s tests start) into VENV/kmock-emulator, outside site-packages
+#   5. recforge itself, editable, --no-deps
+# usage: scripts/install.sh VENV [deps|project|all]      (deps = steps 1-4, project = step 5)
 # env:   PYTHON       interpreter that creates the venv (default python3; must be 3.11)
 #        TORCH_SPEC   replaces requirements/torch.txt, e.g. "torch==2.13.0 fbgemm-gpu==1.8.0" for CUDA builds;
 #                     the lock's torch / fbgemm pins are then dropped and CUDA packages are allowed.
@@ -49,9 +50,9 @@ if [[ -n $TORCH_SPEC ]]; then
 fi
 
 if [[ $PHASE != project ]]; then
-    say "1/4 pip"
+    say "1/5 pip"
     pip_install --quiet --upgrade pip -c "$constraints"
-    say "2/4 requirements (constrained by $(basename "$LOCK"))"
+    say "2/5 requirements (constrained by $(basename "$LOCK"))"
     pip_install "${torch_args[@]}" -r "$REQ/base.txt" -r "$REQ/test.txt" -c "$constraints"
     if [[ -z $TORCH_SPEC ]] && "${PIP[@]}" show --quiet fbgemm-gpu >/dev/null 2>&1; then
         # An earlier install without --no-deps let torchrec pull the CUDA fbgemm-gpu over fbgemm-gpu-cpu
@@ -60,12 +61,14 @@ if [[ $PHASE != project ]]; then
         "${PIP[@]}" uninstall --yes fbgemm-gpu
         pip_install --force-reinstall --no-deps fbgemm-gpu-cpu -c "$constraints"
     fi
-    say "3/4 torchrec (--no-deps)"
+    say "3/5 torchrec (--no-deps)"
     pip_install --no-deps -r "$REQ/nodeps.txt" -c "$constraints"
+    say "4/5 Kubernetes emulator for tests (--target $VENV/kmock-emulator)"
+    pip_install --quiet --no-deps --upgrade --target "$VENV/kmock-emulator" -r "$REQ/emulator.txt"
 fi
 
 if [[ $PHASE != deps ]]; then
-    say "4/4 recforge (editable, --no-deps)"
+    say "5/5 recforge (editable, --no-deps)"
     pip_install --quiet --no-deps -e "$ROOT"
 fi
 

@@ -184,7 +184,9 @@ def test_new_launch_and_new_generation_take_back_leases(tmp_path):
         new = MasterClient(m.url, "r0-g1", generation=1)
         got = new.lease()
         assert got == old  # the older generation's lease came back at once, first in order
-        other = MasterClient(m.url, "r1-g0", generation=0).lease()
+        with pytest.raises(ValueError, match="409.*generation 0 is stale"):  # the replaced group is locked out
+            MasterClient(m.url, "r1-g0", generation=0).lease()
+        other = MasterClient(m.url, "r1-g1", generation=1).lease()
     assert m.queue.retries(old.task_id) == 1
     m2 = JobMaster([4, 4, 4], rows_per_task=4, state_file=state_file, new_launch=True)
     assert m2.queue.state_of(got.task_id) is TaskState.TODO and m2.queue.state_of(other.task_id) is TaskState.TODO

@@ -67,3 +67,15 @@ def test_compile_report_strict_raises_on_mismatch():
         compile_report(eager, compiled, heldout, repeats=1, warmup=0)
     rep = compile_report(eager, compiled, heldout, repeats=1, warmup=0, strict=False)
     assert not rep["within_tolerance"] and rep["max_abs_diff"] > 1e-5
+
+
+def test_compile_report_on_a_column_model():
+    from recforge.recom.family import FamilySpec, build_model, make_features
+
+    m = build_model(FamilySpec(bucketized=2, int_hash=1, string_hash=1, multi_hot=2, large_multi_hot=0,
+                               num_dense=3, bottom=(4,), top=(8,)))
+    compiled = recom.compile(m, (make_features(m, 8, seed=0),), backend="export")
+    rep = compile_report(m, compiled, (make_features(m, 40, seed=1),), batch_size=16, repeats=2, warmup=0)
+    assert rep["within_tolerance"] and rep["heldout_rows"] == 40 and rep["latency"]["batch_size"] == 16
+    (rows,) = take_rows((make_features(m, 5, seed=2),), 12)
+    assert rows["dense"].shape[0] == 12 and rows["multi_hot_0_lengths"].shape[0] == 12

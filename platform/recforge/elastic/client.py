@@ -147,6 +147,38 @@ class MasterClient:
         reply = self._post("/heartbeat", {"worker_id": self.worker_id, "step": step, "generation": self.generation})
         return int(reply["renewed"])
 
+    def heartbeat_leases(self, step: int, held: list[str]) -> list[str]:
+        """A heartbeat naming the leases this worker believes it holds: returns those it lost (expired
+        or taken back; the master refuses to renew them)."""
+        reply = self._post(
+            "/heartbeat",
+            {"worker_id": self.worker_id, "step": step, "generation": self.generation, "held": list(held)},
+        )
+        return list(reply.get("lost", []))
+
+    def join(self) -> dict[str, Any]:
+        """Register this worker (its launch generation locks older ones out); returns the queue summary."""
+        return self._post("/join", {"worker_id": self.worker_id, "generation": self.generation})
+
+    def snapshot(self, progress: dict[str, int]) -> dict[str, Any]:
+        """The data state to store with a checkpoint: `progress` maps in-flight task ids to the rows of
+        them the model was trained on (recforge.elastic.tasks.TaskQueue.snapshot)."""
+        return self._post("/snapshot", {"worker_id": self.worker_id, "generation": self.generation, "progress": progress})
+
+    def restore(self, state: dict[str, Any] | None, reason: str = "") -> dict[str, Any]:
+        """Roll the master's queue back to a checkpoint's data state (None: to the start)."""
+        return self._post(
+            "/restore", {"worker_id": self.worker_id, "generation": self.generation, "state": state, "reason": reason}
+        )
+
+    def command(self) -> dict[str, str]:
+        """{command: continue | stop, reason}: whether the group should checkpoint and stop (a rescale)."""
+        return self._post("/command", {"worker_id": self.worker_id, "generation": self.generation})
+
+    def request_scale(self, workers: int, reason: str = "") -> dict[str, Any]:
+        """Ask the job to relaunch at `workers` workers (rejected outside [1, the job's max_workers])."""
+        return self._post("/scale", {"workers": workers, "reason": reason})
+
     def epoch_state(self) -> dict[str, Any]:
         """The master's state: epoch, epochs, finished, task counts, rows done, workers, poisoned tasks."""
         return self._request("GET", "/state", None)

@@ -3,25 +3,36 @@
 It knows nothing about the worker's internals: it fills `master_url` and `threads_per_worker` into
 the worker spec (a plain dict, validated by the worker as recforge.train.spec.WorkerSpec), writes it
 as JSON, launches the workers through the backend, waits, and returns the master's statistics.
+
+Failures and elasticity (recforge.elastic.supervisor): the supervisor relaunches a failed group per
+the FailoverPolicy (budget = resources.max_restarts, shared with torchrun's own restarts), kills a
+hung group, relaunches at a new size on a scale request, and, when the spec asks for flash
+checkpoints (spec["recovery"]["flash"]), runs the agent that persists them from shared memory.
+The spec's "recovery" section gets this launch's generation base, gradient accumulation, the
+failures directory and the flash agent flag filled in before every launch.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+import shutil
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from recforge.config import ResourceConfig
 from recforge.elastic.backend import Backend, JobFailedError
+from recforge.elastic.failover import FailoverPolicy
 from recforge.elastic.master import JobMaster
 from recforge.elastic.policy import JobInfo, Policy, ResourcePlan, StaticPolicy
+from recforge.elastic.supervisor import Scaler, Supervisor
 
 log = logging.getLogger(__name__)
 
 SPEC_FILE = "worker_spec.json"
 STATE_FILE = "master_state.json"
+FAILURES_DIR = "failures"
 
 
 @dataclass
@@ -37,6 +48,9 @@ class JobResult:
     spec_path: Path | None = None
     state_file: Path | None = None
     log_path: Path | None = None
+    attempts: list[dict[str, Any]] = field(default_factory=list)  # one per launch (supervisor.Attempt)
+    restarts: int = 0  # group restarts of all kinds (failover relaunches and torchrun's own)
+    grad_accumulation: int = 1  # as the last launch ran (an out-of-memory failover raises it)
 
 
 def default_policy(resources: ResourceConfig) -> Policy:
@@ -52,8 +66,13 @@ def default_backend(resources: ResourceConfig, state_dir: Path) -> Backend:
     if resources.backend == "local":
         from recforge.elastic.local import LocalBackend
 
-        return LocalBackend(max_restarts=resources.max_restarts, log_dir=state_dir)
-    raise NotImplementedError(f"resources.backend={resources.backend!r} is not implemented yet; use 'local'")
+        # torchrun restarts nothing itself: every relaunch goes through the failover policy (one budget)
+        return LocalBackend(max_restarts=0, log_dir=state_dir)
+    if resources.backend == "kubernetes":
+        from recforge.elastic.kubernetes import backend_from_environment
+
+        return backend_from_environment(state_dir)
+    raise NotImplementedError(f"resources.backend={resources.backend!r} is not implemented; use 'local' or 'kubernetes'")
 
 
 def run_training_job(
@@ -71,6 +90,10 @@ def run_training_job(
     timeout_s: float | None = None,
     resume: bool = True,
     check: bool = True,
+    failover: FailoverPolicy | None = None,
+    scaler: Scaler | None = None,
+    max_workers: int | None = None,
+    poll_s: float = 0.5,
 ) -> JobResult:
     """Run one training job to the end.
 
@@ -79,7 +102,13 @@ def run_training_job(
     `state_dir` holds the spec, the master's state file and the workers' log; with `resume`, an
     existing state file there makes the job continue where it stopped (its in-flight tasks go back
     to TODO), else it starts over. With `check`, a failed or timed-out launch raises JobFailedError
-    (with the log's tail), and so does a clean exit that left data unconsumed.
+    (with the log's tail), and so does a clean exit that left data unconsumed. Without `resume` the
+    step checkpoints of an earlier run (spec["recovery"], recforge.train.recovery_spec) go too.
+    `failover`: default FailoverPolicy(max_relaunches=resources.max_restarts). `scaler`: called with
+    the master's state while the group runs; a different worker count triggers a rescale (default
+    with a DLRoverPolicy: its stage 2, recforge.elastic.dlrover_scaler).
+    `max_workers`: the largest scale request the master accepts (default: this machine's cores for
+    the local backend, none otherwise).
     """
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -96,32 +125,90 @@ def run_training_job(
     plan = policy.plan(JobInfo(shard_rows=list(shard_rows), epochs=epochs, rows_per_task=rows_per_task, resources=resources))
 
     state_file = state_dir / STATE_FILE
-    if not resume and state_file.exists():
-        state_file.unlink()
+    recovery = _recovery(spec)
+    first_generation = 0
+    if resume and state_file.exists():  # generations stay unique across runs of one job (ledgers, lockout)
+        try:
+            first_generation = int(json.loads(state_file.read_text())["queue"]["generation"]) + 1
+        except (ValueError, KeyError, TypeError):
+            first_generation = 0
+    failures_dir = state_dir / FAILURES_DIR
+    shutil.rmtree(failures_dir, ignore_errors=True)  # records of an earlier run would alias this run's generations
+    if not resume:
+        if state_file.exists():
+            state_file.unlink()
+        for d in recovery["roots"]:
+            shutil.rmtree(d, ignore_errors=True)
+    if max_workers is None and resources.backend == "local":
+        max_workers = max(os.cpu_count() or 1, plan.workers)
+    failover = failover or FailoverPolicy(
+        max_relaunches=resources.max_restarts,
+        oom_action="more_memory" if hasattr(backend, "grow_memory") else "accumulate",
+    )
+    if scaler is None and getattr(policy, "warm", None) is not None and hasattr(policy, "runtime"):
+        from recforge.elastic.dlrover_scaler import DLRoverScaler
+
+        scaler = DLRoverScaler(policy)
+    bind, advertise = getattr(backend, "master_hosts", ("127.0.0.1", "127.0.0.1"))
     master = JobMaster(
         shard_rows, rows_per_task=rows_per_task, epochs=epochs, state_file=state_file,
         lease_timeout_s=lease_timeout_s, max_retries=3, shuffle_seed=shuffle_seed, new_launch=True,
+        max_workers=max_workers, host=bind, advertise_host=advertise,
+        port=int(os.environ.get("RECFORGE_MASTER_PORT", "0")) if bind != "127.0.0.1" else 0,
     )
     spec_path = state_dir / SPEC_FILE
-    with master:
-        full_spec = {**dict(spec), "master_url": master.url, "threads_per_worker": plan.threads_per_worker}
+    persister = None
+    if recovery["flash"]:
+        from recforge.elastic.flash_checkpoint import FlashPersister
+
+        persister = FlashPersister(recovery["memory_root"], recovery["disk_root"], keep=recovery["keep"]).start()
+
+    global_batch = (spec.get("recovery") or {}).get("global_batch") or plan.workers * int(train.get("batch_size", 1))
+
+    def write_spec(generation_base: int, grad_accumulation: int, launch_plan: ResourcePlan) -> Path:
+        rec = {**dict(spec.get("recovery") or {}), "generation_base": generation_base,
+               "grad_accumulation": grad_accumulation, "global_batch": global_batch,
+               "failures_dir": str(failures_dir), "flash_agent": persister is not None}
+        full_spec = {**dict(spec), "master_url": master.url, "threads_per_worker": launch_plan.threads_per_worker,
+                     "recovery": rec}
         tmp = spec_path.with_name(spec_path.name + ".tmp")
         tmp.write_text(json.dumps(full_spec, indent=2, default=str))
         os.replace(tmp, spec_path)
-        log.info("launching %d worker(s) x %d thread(s), master %s", plan.workers, plan.threads_per_worker, master.url)
-        handle = backend.launch(spec_path, plan)
-        try:
-            code = backend.wait(handle, timeout=timeout_s, check=check)
-            if code is None:
-                backend.stop(handle)
-                tail = backend.log_tail(handle)
-                raise JobFailedError(
-                    f"training job timed out after {timeout_s}s and was stopped\n--- last lines ---\n{tail}",
-                    exit_code=None, log_path=getattr(handle, "log_path", None), log_tail=tail,
-                )
-        finally:
-            backend.stop(handle)
-        state = master.state()
+        return spec_path
+
+    outcome = None
+    ok = False
+    try:
+        with master:
+            log.info("launching %d worker(s) x %d thread(s), master %s", plan.workers, plan.threads_per_worker,
+                     master.url)
+            sup = Supervisor(
+                master, backend, failover, write_spec, plan=plan, batch_size=int(train.get("batch_size", 1)),
+                global_batch=global_batch,
+                failures_dir=failures_dir, persister=persister, scaler=scaler, timeout_s=timeout_s, poll_s=poll_s,
+                first_generation=first_generation,
+            )
+            try:
+                outcome = sup.run()
+            except JobFailedError:
+                if check:
+                    raise
+                outcome = None
+            finally:
+                if sup.handle is not None:
+                    backend.stop(sup.handle)
+            handle = sup.handle
+            state = master.state()
+        ok = True
+    finally:
+        if persister is not None:
+            persister.stop(persist=True)
+            if ok or persister.on_disk():  # a failed job's memory copy is on disk by now: free it
+                persister.cleanup()
+        if hasattr(backend, "cleanup"):  # Kubernetes: the job's pods and Service
+            backend.cleanup()
+    code = outcome.exit_code if outcome is not None else (getattr(handle, "exit_code", None) or 1)
+    plan = outcome.plan if outcome is not None else plan
 
     result = JobResult(
         exit_code=code,
@@ -135,6 +222,9 @@ def run_training_job(
         spec_path=spec_path,
         state_file=state_file,
         log_path=getattr(handle, "log_path", None),
+        attempts=[asdict(a) for a in sup.attempts],
+        restarts=sup.restarts,
+        grad_accumulation=sup.grad_accumulation,
     )
     if check and not result.finished:
         tail = backend.log_tail(handle)
@@ -144,3 +234,16 @@ def run_training_job(
             exit_code=code, log_path=result.log_path, log_tail=tail,
         )
     return result
+
+
+def _recovery(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Where the spec's step checkpoints live (empty when it has no checkpoint_dir, e.g. a stub worker)."""
+    from recforge.train.recovery_spec import RecoverySpec
+
+    rec = RecoverySpec.model_validate(spec.get("recovery") or {})
+    if not spec.get("checkpoint_dir"):
+        return {"flash": False, "roots": [], "keep": rec.keep_checkpoints}
+    ckpt = Path(spec["checkpoint_dir"])
+    disk, memory = rec.steps_root(ckpt), rec.shm_root(ckpt)
+    return {"flash": rec.flash, "roots": [disk, memory], "disk_root": disk, "memory_root": memory,
+            "keep": rec.keep_checkpoints}

@@ -22,7 +22,7 @@ import bisect
 import random
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -349,6 +349,50 @@ class TaskQueue:
             return Requeued()
         self.generation = generation
         return self._take_back(lambda r: r.generation < generation)
+
+    def held_by(self, worker_id: str) -> list[str]:
+        """Ids of the tasks `worker_id` holds a lease on (DOING) in the current epoch."""
+        return sorted(r.task.task_id for r in self._records.values() if r.state is TaskState.DOING and r.worker_id == worker_id)
+
+    def snapshot(self, progress: Mapping[str, int]) -> dict[str, Any]:
+        """The data state a model checkpoint taken now must carry (see `recforge.train.resume`).
+
+        `progress`: for tasks in flight, how many of their first rows the model has been trained on.
+        In the returned state (a `to_dict()` document; the live queue is not changed) such a task's
+        consumed prefix is DONE and its rest TODO; every other DOING task goes back to TODO without
+        counting a retry (its rows are not in the model). Restoring it (`from_dict`) after a failure
+        makes the master hand out exactly the rows the checkpointed model has not seen.
+        """
+        for task_id, rows in progress.items():
+            rec = self._records.get(task_id)
+            if rec is None or rec.state is not TaskState.DOING:
+                raise ValueError(
+                    f"snapshot: task {task_id!r} is not in flight in epoch {self.epoch} "
+                    f"(state {rec.state.value if rec else 'unknown'}); cannot record progress on it"
+                )
+            if not 0 <= int(rows) <= rec.task.rows:
+                raise ValueError(f"snapshot: progress {rows} on task {task_id!r} outside [0, {rec.task.rows}]")
+        q = TaskQueue.from_dict(self.to_dict())
+        for rec in sorted(q._records.values(), key=_Record.key):
+            if rec.state is not TaskState.DOING:
+                continue
+            consumed = int(progress.get(rec.task.task_id, 0))
+            rec.deadline = None
+            if consumed >= rec.task.rows:
+                rec.state = TaskState.DONE
+                continue
+            if consumed == 0:
+                rec.state, rec.worker_id = TaskState.TODO, None
+                bisect.insort(q._todo, rec.key())
+                continue
+            task = rec.task
+            cut = task.row_start + consumed
+            rec.task, rec.state = task.model_copy(update={"row_end": cut}), TaskState.DONE
+            rest = Task(task_id=_task_id(task.epoch, task.shard, cut), epoch=task.epoch, shard=task.shard,
+                        row_start=cut, row_end=task.row_end)
+            q._add(_Record(task=rest, order=rec.order, retries=rec.retries))
+        q._maybe_advance()
+        return q.to_dict()
 
     def new_launch(self) -> Requeued:
         """A fresh launch of workers replaces all earlier ones: take back every lease, reset generations."""

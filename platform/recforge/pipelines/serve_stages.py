@@ -37,7 +37,13 @@ def compile_model(ctx: RunContext) -> dict[str, Any]:
         store.log_metrics(run_id, {k: v for k, v in report.items() if isinstance(v, (int, float))})
         store.log_dict(run_id, report, "compile_report.json")
         store.log_artifact(run_id, path)
-        return {"artifact": str(w.final / "inference.pt2"), "report": report}
+        from recforge.tracking.recom_models import register_compiled
+
+        compiled_version = None
+        if report["within_tolerance"]:  # registered (as <trained>-compiled) only when it matched eager
+            compiled_version = register_compiled(store, run_id, path, REGISTERED_MODEL,
+                                                 max_abs_diff=report["max_abs_diff"], atol=report["atol"])
+        return {"artifact": str(w.final / "inference.pt2"), "report": report, "compiled_version": compiled_version}
 
     return run_stage(ctx, "compile", body)
 

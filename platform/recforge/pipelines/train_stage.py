@@ -44,7 +44,8 @@ def train(ctx: RunContext) -> dict[str, Any]:
                                                        "threads_per_worker": plan["threads_per_worker"]}),
             policy=StaticPolicy(cfg.resources.model_copy(update={"workers": plan["workers"],
                                                                   "threads_per_worker": plan["threads_per_worker"]})),
-            backend=LocalBackend(max_restarts=cfg.resources.max_restarts, log_dir=w.tmp / "logs"),
+            # torchrun restarts nothing itself: every relaunch goes through the job's failover policy (one budget)
+            backend=LocalBackend(max_restarts=0, log_dir=w.tmp / "logs"),
             state_dir=w.tmp / "master",
         )
         worker = json.loads((w.tmp / "worker" / "result.json").read_text())

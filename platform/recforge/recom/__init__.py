@@ -1,4 +1,10 @@
-"""RECom: compiled inference of DLRM-style models (first form: gather lowering + torch.export)."""
+"""RECom: compiled inference of recommendation models with massive embedding columns.
+
+``compile(module, example_inputs)`` captures the model with torch.export, finds its embedding columns
+(RECom Alg. 1), proves shape facts with SymEngine, simplifies each column (range analysis, filter
+merging, empty rows, one-hot gathers) and runs all of them as one fused op, the dense net through
+export / Inductor / AOTInductor. See compile.py for the pipeline and each module for its step.
+"""
 from recforge.recom.compile import (
     BACKENDS,
     DEFAULT_BACKEND,

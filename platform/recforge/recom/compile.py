@@ -1,22 +1,21 @@
 """The compile seam: ``compile(module, example_inputs) -> CompiledModel``, a torch.nn.Module matching eager.
 
-This first form of RECom's compile stage:
+1. An ``InferenceModule`` is first lowered to its gather form (one-hot proven from the preprocessing plan).
+2. Capture: torch.export with a dynamic batch and dynamic jagged lengths (``capture.py``).
+3. The column compiler (``column_compiler.py``): find the embedding columns (RECom Alg. 1), infer symbolic
+   shapes (SymEngine), read each column into a ColumnProgram, run the column passes, lower the fused
+   columns to one ``recforge::embedding_layer`` call over packed tables.
+4. The rest of the graph (dense net, unfused columns) becomes the residual program, fed the fused output;
+   2-D float linears go through oneDNN; it runs under a backend: ``"export"`` (the exported graph),
+   ``"inductor"`` (torch.compile), ``"aoti"`` (AOTInductor) or ``"auto"`` (AOTInductor, else the graph).
+5. The result is checked against the eager module on the example inputs (CompileMismatchError above atol).
 
-1. lowers an ``InferenceModule`` to its gather form (one-hot lookups become plain gathers, proven from
-   the preprocessing plan), which needs no KeyedJaggedTensor;
-2. captures it with ``torch.export`` with one dynamic batch dimension shared by all inputs;
-3. runs the exported graph with a backend: ``"export"`` (the exported graph module as is),
-   ``"inductor"`` (``torch.compile`` of that module), ``"aoti"`` (AOTInductor ahead-of-time C++) or
-   ``"auto"`` (the default: AOTInductor, else the exported graph);
-4. checks the result against the eager module on the example inputs.
-
-``save``/``load`` store the exported program (``torch.export.save``, a .pt2 file, temp + rename);
-a loaded program is recompiled with the requested backend. Later issues replace step 1 with the full
-column compiler (column identification, symbolic shapes, a fused embedding kernel) behind the same seam.
+A model without embedding columns is compiled as captured (step 4 on the whole graph) with a warning.
+``save``/``load`` (``artifact.py``) write one file holding the residual program, the fused layer's
+buffers and the metadata.
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -28,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from recforge.recom.errors import CompileMismatchError
 from recforge.recom.graph_stats import count_lookups, dispatched_ops, graph_ops
@@ -35,22 +35,27 @@ from recforge.recom.graph_stats import count_lookups, dispatched_ops, graph_ops
 Backend = Literal["auto", "export", "inductor", "aoti"]
 BACKENDS: tuple[str, ...] = ("auto", "export", "inductor", "aoti")
 # bench/bench_compile.py (criteo_kaggle, 26 tables, 1 thread, CPU): AOTInductor is the fastest correct backend
-# at B = 1, 64 and 1024 (about 6.5x, 4x and 2.5-3x the torchrec eager path; torch.compile 2.7x, 2.4x, 1.7x; the
-# plain exported graph 1.4x, 1.35x, noisy at 1024). "auto" = AOTInductor, falling back to the plain exported
-# graph (with a warning and the reason in metadata["backend_fallback"]) where it cannot build (no C++ toolchain).
+# at B = 1, 64 and 1024 for the DLRM; "auto" = AOTInductor, falling back to the plain exported graph (with a
+# warning and the reason in metadata["backend_fallback"]) where it cannot build (no C++ toolchain).
 DEFAULT_BACKEND: Backend = "auto"
-_META_FILE = "recom_metadata.json"
 
 
 def batch_size_of(inputs: Sequence[Any]) -> int:
-    sizes = {t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0}
-    if len(sizes) != 1:
+    """The batch size of an input tuple: the dim-0 size shared by most tensor leaves (jagged values differ)."""
+    from recforge.recom.capture import infer_batch_size
+
+    leaves = pytree.tree_leaves(tuple(inputs))
+    if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves):
+        raise ValueError("example_inputs hold no tensor with a batch dimension")
+    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) > 1 and all(isinstance(t, torch.Tensor) for t in inputs) and len(inputs) == len(leaves):
         raise ValueError(f"example_inputs must be tensors sharing one batch size (dim 0); got sizes {sorted(sizes)}")
-    return sizes.pop()
+    return infer_batch_size(leaves)
 
 
 def tile_rows(inputs: Sequence[Any], n: int) -> tuple:
-    """Repeat rows cyclically to exactly ``n`` rows (export needs a batch >= 2 to keep it symbolic)."""
+    """Repeat rows cyclically to exactly ``n`` rows (batch-major tensors; for jagged requests use
+    ``recforge.recom.family.select_rows``)."""
     out = []
     for t in inputs:
         if isinstance(t, torch.Tensor) and t.dim() > 0:
@@ -99,32 +104,53 @@ def _make_runner(ep: torch.export.ExportedProgram, graph_module: nn.Module, back
 
 
 class CompiledModel(nn.Module):
-    """An exported (and optionally Inductor-compiled) model; ``forward`` takes the example inputs' layout.
+    """A compiled model; ``forward`` takes the example inputs' layout (same pytree structure).
+
+    With fused columns: ``layer`` (a FusedEmbeddingLayer) computes the embedding layer in one op and
+    ``exported_program`` is the residual dense program (inputs: the user inputs it still reads, then the
+    fused output). Without: ``exported_program`` is the captured program, run on the inputs as given.
 
     ``backend`` is the one running ("export", "inductor" or "aoti"); ``metadata``: requested_backend,
-    backend, backend_fallback (why "auto" did not get AOTInductor, if it did not), dynamic_batch,
-    example_batch, num_columns / num_tables, ``ops_before`` (ATen ops one eager forward of the source module
-    dispatches), ``ops_after`` (ops one forward of the exported graph dispatches), ``graph_nodes``
-    (call_function nodes in the exported graph), ``lookups_before`` / ``num_embedding_lookups`` (embedding
-    ops before / in the exported graph), ``op_histogram``, ``export_s``, ``backend_compile_s``,
-    ``example_max_abs_diff``.
+    backend, backend_fallback, dynamic_batch, example_batch, num_columns / num_tables, ops_before /
+    ops_after (ATen ops one forward of the source / of the captured graph dispatches), ops_compiled
+    (of this model), graph_nodes, lookups_before / num_embedding_lookups, op_histogram, export_s,
+    column_compile_s, backend_compile_s, example_max_abs_diff, recom (the column compiler's report).
     """
 
     def __init__(self, exported_program: torch.export.ExportedProgram, backend: str = DEFAULT_BACKEND,
-                 metadata: dict[str, Any] | None = None, warmup_inputs: Sequence[Any] | None = None):
+                 metadata: dict[str, Any] | None = None, warmup_inputs: Sequence[Any] | None = None, *,
+                 layer: nn.Module | None = None, in_spec: pytree.TreeSpec | None = None,
+                 dense_index: Sequence[int] | None = None, input_names: Sequence[str] | None = None,
+                 out_spec: pytree.TreeSpec | None = None, fallback: nn.Module | None = None,
+                 onednn: bool = False):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend: unknown {backend!r}; choose one of {list(BACKENDS)}")
-        self.exported_program = exported_program
-        self.graph_module = exported_program.module()
+        self.exported_program = exported_program  # portable: what save() writes
         self.metadata: dict[str, Any] = dict(metadata or {})
+        running = exported_program
+        self.metadata["onednn"] = bool(onednn)
+        if onednn and backend != "inductor":  # Inductor's lowering wants its own (prepacked) mkldnn linears
+            from recforge.recom.dense import with_onednn
+
+            running, self.metadata["onednn_linears"] = with_onednn(exported_program)
+        else:
+            self.metadata["onednn_linears"] = 0
+        self.running_program = running
+        self.graph_module = running.module()
+        self.layer = layer
+        self.in_spec = in_spec
+        self.out_spec = out_spec  # the source module's output structure (the residual returns a flat tuple)
+        self.dense_index = list(dense_index) if dense_index is not None else None
+        self.input_names = list(input_names) if input_names is not None else None
+        object.__setattr__(self, "_fallback", fallback)  # the source module, in this process only
         self.metadata.pop("backend_fallback", None)
         self.metadata["requested_backend"] = backend
         dynamic = bool(self.metadata.get("dynamic_batch", True))
         t0 = time.perf_counter()
         if backend == "auto":
             try:
-                runner, keepalive = _make_runner(exported_program, self.graph_module, "aoti", dynamic)
+                runner, keepalive = _make_runner(running, self.graph_module, "aoti", dynamic)
                 backend = "aoti"
             except Exception as e:  # no toolchain, unsupported op, ...: the exported graph still runs
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
@@ -133,7 +159,7 @@ class CompiledModel(nn.Module):
                 self.metadata["backend_fallback"] = reason
                 runner, keepalive, backend = self.graph_module, None, "export"
         else:
-            runner, keepalive = _make_runner(exported_program, self.graph_module, backend, dynamic)
+            runner, keepalive = _make_runner(running, self.graph_module, backend, dynamic)
         self.backend = backend
         self.metadata["backend"] = backend
         # Not registered as submodules: they wrap graph_module (or are not Modules at all).
@@ -141,46 +167,153 @@ class CompiledModel(nn.Module):
         object.__setattr__(self, "_keepalive", keepalive)
         if warmup_inputs is not None and backend == "inductor":
             self(*warmup_inputs)  # pay torch.compile's compile here, in the compile stage
-            if dynamic:  # Dynamo specializes size-1 dims: compile the B=1 variant now, not on the first request
+            if dynamic and self.layer is None:  # Dynamo specializes size-1 dims: compile B=1 now too
                 self(*tile_rows(tuple(warmup_inputs), 1))
         self.metadata["backend_compile_s"] = round(time.perf_counter() - t0, 3)
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+    @property
+    def batch_bounds(self) -> tuple[int, int]:
+        """Batch sizes this model runs (a static capture runs only its example's)."""
+        if self.metadata.get("dynamic_batch", True):
+            return 1, 2**62
+        b = int(self.metadata["example_batch"])
+        return b, b
+
+    @property
+    def fused(self) -> bool:
+        return self.layer is not None
+
+    def _flatten(self, inputs: tuple) -> list[Any]:
+        keys = self.__dict__.get("_dict_keys")
+        if keys is None and self.in_spec is not None:
+            self.__dict__["_dict_keys"] = keys = _single_dict_keys(self.in_spec)
+        if keys and len(inputs) == 1 and type(inputs[0]) is dict and len(inputs[0]) == len(keys):
+            d = inputs[0]  # a request dict: its values are the leaves (1,000+ columns: skip the pytree walk)
+            if list(d) == keys:
+                return list(d.values())
+            if d.keys() == set(keys):
+                return [d[k] for k in keys]
+        leaves, spec = pytree.tree_flatten(inputs)
+        if self.in_spec is not None and spec != self.in_spec:
+            raise ValueError(
+                "recforge.recom: inputs do not have the structure the model was compiled for "
+                f"(expected {self.in_spec}, got {spec})"
+            )
+        return leaves
+
+    def forward(self, *inputs: Any) -> torch.Tensor:
         with torch.no_grad():
-            return self._runner(*inputs)
+            if self.layer is None:
+                return self._runner(*inputs)
+            leaves = self._flatten(inputs)
+            batch = leaves[self.layer.batch_index].shape[0]
+            lo, hi = self.batch_bounds
+            if not lo <= batch <= hi:
+                return self._out_of_bounds(
+                    inputs, f"a batch of {batch} rows is outside the compiled bounds [{lo}, {hi if hi < 2**62 else 'inf'}]")
+            emb = self.layer(leaves)
+            if self.__dict__.get("_identity_dense") is None:
+                self.__dict__["_identity_dense"] = _returns_embedding(self.exported_program) and (
+                    self.out_spec is None or self.out_spec.is_leaf())
+            if self._identity_dense:  # the model is the embedding layer: nothing after the fused op
+                return emb
+            out = self._runner(*[leaves[i] for i in self.dense_index], emb)
+            if self.out_spec is not None:
+                out = pytree.tree_unflatten(list(out), self.out_spec)
+            return out
+
+    def _out_of_bounds(self, inputs: tuple, why: str) -> torch.Tensor:
+        policy = self.metadata.get("out_of_bounds", "error")
+        if policy == "error" or self._fallback is None:
+            raise ValueError(f"recforge.recom: {why} (compile with out_of_bounds='eager' or 'recompile' to "
+                             "run such inputs)")
+        if policy == "recompile":
+            return self._recompiled(inputs, why)(*inputs)
+        warnings.warn(f"recforge.recom: {why}; running the eager module", stacklevel=3)
+        self.metadata["fallback_calls"] = self.metadata.get("fallback_calls", 0) + 1
+        return self._fallback(*inputs)
+
+    def _recompiled(self, inputs: tuple, why: str) -> "CompiledModel":
+        """A compile of the source module for these inputs' batch size (cached per size), like
+        torch.compile's recompilation on a new static shape."""
+        leaves = pytree.tree_leaves(inputs)
+        key = int(leaves[self.layer.batch_index].shape[0]) if self.layer is not None else batch_size_of(inputs)
+        cache = self.__dict__.setdefault("_recompiles", {})
+        if key not in cache:
+            if key < 1:
+                raise ValueError(f"recforge.recom: {why}; no compile exists for an empty batch")
+            warnings.warn(f"recforge.recom: {why}; recompiling for {key} rows", stacklevel=4)
+            opts = self.metadata.get("compile_options", {})
+            cache[key] = compile(self._fallback, inputs, **opts)
+            self.metadata["recompiles"] = self.metadata.get("recompiles", 0) + 1
+        return cache[key]
 
     def save(self, path: str | os.PathLike) -> Path:
         return save(self, path)
 
 
+def _returns_embedding(ep: torch.export.ExportedProgram) -> bool:
+    """The residual program only hands the fused output back (its one output is that input)."""
+    from recforge.recom.dense import EMB_INPUT
+
+    out = next(n for n in ep.graph.nodes if n.op == "output")
+    values = pytree.tree_leaves(out.args)
+    return len(values) == 1 and getattr(values[0], "op", None) == "placeholder" and values[0].name == EMB_INPUT
+
+
+def _single_dict_keys(spec: pytree.TreeSpec) -> list[Any] | None:
+    """The keys when the inputs are one flat dict of tensors (a request of named columns), else []."""
+    try:
+        if spec.num_children != 1:
+            return []
+        child = spec.child(0)
+        if child.type is not dict or any(not c.is_leaf() for c in child.children()):
+            return []
+        return list(child.context)
+    except AttributeError:
+        return []
+
+
 def _describe(module: nn.Module) -> dict[str, int]:
     cols = getattr(module, "columns", None)
-    if not cols:
+    if not cols or not hasattr(next(iter(cols), None), "table"):
         return {}
     return {"num_columns": len(cols), "num_tables": len({c.table for c in cols})}
 
 
 def compile(module: nn.Module, example_inputs: Sequence[Any], dynamic_batch: bool = True,
-            backend: Backend = DEFAULT_BACKEND, atol: float = 1e-5) -> CompiledModel:
+            backend: Backend = DEFAULT_BACKEND, atol: float = 1e-5, *, dynamic_shapes: Any = None,
+            fuse_columns: bool = True, onednn: bool = True, out_of_bounds: str = "error") -> CompiledModel:
     """Compile ``module`` (an InferenceModule is first lowered to its gather form) for inference.
 
-    The result is checked against ``module`` on ``example_inputs`` (CompileMismatchError above ``atol``).
-    Raises NotOneHotError when an InferenceModule's one-id-per-row cannot be proven.
+    ``dynamic_shapes`` overrides the inferred dynamic dims (see ``capture.py``); ``fuse_columns=False``
+    skips the column compiler; ``onednn=False`` keeps the dense net's linears as captured;
+    ``out_of_bounds`` says what a call outside the compiled bounds (another batch size after a static
+    capture, an empty batch) does: "error" (ValueError), "eager" (run ``module``, with a warning) or
+    "recompile" (compile again for that batch size, cached). The result is
+    checked against ``module`` on ``example_inputs`` (CompileMismatchError above ``atol``). Raises
+    NotOneHotError when an InferenceModule's one-id-per-row cannot be proven.
     """
+    from recforge.recom.capture import capture
+    from recforge.recom.column_compiler import compile_columns
+    from recforge.recom.dense import build_residual, export_residual
+    from recforge.recom.layer import FusedEmbeddingLayer
+
     if backend not in BACKENDS:
         raise ValueError(f"backend: unknown {backend!r}; choose one of {list(BACKENDS)}")
+    if out_of_bounds not in ("error", "eager", "recompile"):
+        raise ValueError(f"out_of_bounds: unknown {out_of_bounds!r}; choose 'error', 'eager' or 'recompile'")
     inputs = tuple(example_inputs)
     target = module.lowered() if hasattr(module, "lowered") else module
-    with eval_mode(module):
+    with eval_mode(module), eval_mode(target):
         before = dispatched_ops(module, inputs)
-        t0 = time.perf_counter()
-        ep = export_program(target, inputs, dynamic_batch=dynamic_batch)
-        export_s = time.perf_counter() - t0
+        cap = capture(target, inputs, dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes)
+        ep = cap.program
         nodes = graph_ops(ep.graph_module)
         after = dispatched_ops(ep.module(), inputs)
         metadata = {
             "dynamic_batch": dynamic_batch,
-            "example_batch": batch_size_of(inputs),
+            "example_batch": cap.batch_size,
             **_describe(target),
             "ops_before": sum(before.values()),
             "ops_after": sum(after.values()),
@@ -188,11 +321,70 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], dynamic_batch: boo
             "lookups_before": count_lookups(before),
             "num_embedding_lookups": count_lookups(nodes),
             "op_histogram": dict(sorted(nodes.items())),
-            "export_s": round(export_s, 3),
+            "export_s": round(cap.export_s, 3),
+            "capture_notes": cap.notes,
+            "out_of_bounds": out_of_bounds,
+            "compile_options": {"dynamic_batch": dynamic_batch, "backend": backend, "atol": atol,
+                                "fuse_columns": fuse_columns, "onednn": onednn, "out_of_bounds": out_of_bounds},
         }
-        compiled = CompiledModel(ep, backend=backend, metadata=metadata, warmup_inputs=inputs)
+        t0 = time.perf_counter()
+        cc = compile_columns(cap) if fuse_columns else None
+        layer, emb, kernel_error = None, None, None
+        if cc is not None and cc.plan is not None:
+            layer = FusedEmbeddingLayer.from_plan(cc.plan, cap.input_names)
+            try:  # first call: builds / loads the C++ kernel
+                with torch.no_grad():
+                    emb = layer(pytree.tree_leaves(cap.example_args))
+            except (RuntimeError, OSError, ImportError) as e:  # no C++ toolchain, ...
+                kernel_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+        if cc is None or cc.plan is None or kernel_error is not None:
+            why = "fuse_columns=False" if cc is None else (
+                "no embedding columns found" if not cc.columns.columns else
+                "no column could be fused" if cc.plan is None else f"the fused kernel is unavailable ({kernel_error})")
+            if cc is not None:
+                warnings.warn(f"recforge.recom: {why}; the model is compiled as captured, without a fused "
+                              "embedding layer", stacklevel=2)
+            metadata["recom"] = cc.report if cc is not None else {"columns": None}
+            metadata["recom_status"] = why
+            metadata["column_compile_s"] = round(time.perf_counter() - t0, 3)
+            compiled = CompiledModel(ep, backend=backend, metadata=metadata, warmup_inputs=inputs,
+                                     in_spec=cap.in_spec, input_names=cap.input_names, fallback=module)
+        else:
+            leaves = pytree.tree_leaves(cap.example_args)
+            gm, dense_names = build_residual(ep, cc.fused_out, cc.plan.total_dim)
+            pos = {n: i for i, n in enumerate(cap.input_names)}
+            dense_index = [pos[n] for n in dense_names]
+            dims = _residual_dims(cap, dense_names) if dynamic_batch or dynamic_shapes is not None else \
+                [None] * (len(dense_names) + 1)
+            dense_ep = export_residual(gm, [leaves[i] for i in dense_index] + [emb], dims)
+            metadata["recom"] = cc.report
+            metadata["recom_status"] = f"{cc.report['fused']} of {cc.report['columns']} columns fused"
+            metadata["column_compile_s"] = round(time.perf_counter() - t0, 3)
+            compiled = CompiledModel(dense_ep, backend=backend, metadata=metadata, warmup_inputs=inputs,
+                                     layer=layer, in_spec=cap.in_spec, dense_index=dense_index,
+                                     input_names=cap.input_names, out_spec=ep.call_spec.out_spec,
+                                     fallback=module, onednn=onednn)
+        compiled.metadata["ops_compiled"] = sum(dispatched_ops(compiled, inputs).values())
         compiled.metadata["example_max_abs_diff"] = check_against_eager(compiled, module, inputs, atol=atol)
     return compiled
+
+
+def _residual_dims(cap, dense_names: list[str]) -> list[Any]:
+    """The Dims of the residual program's inputs: the captured symbols, shared the same way; the fused
+    output has the batch Dim."""
+    dims: dict[str, Any] = {}
+
+    def dim_for(symbol: str | None):
+        if symbol is None:
+            return None
+        if symbol not in dims:
+            is_batch = symbol == cap.batch_symbol
+            dims[symbol] = torch.export.Dim("batch" if is_batch else f"len_{len(dims)}", min=1 if is_batch else 0)
+        return dims[symbol]
+
+    out = [dim_for(cap.dynamic_dims.get(n)) for n in dense_names]
+    out.append(dim_for(cap.batch_symbol))
+    return out
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -222,37 +414,25 @@ def check_against_eager(compiled: Callable[..., torch.Tensor], eager: Callable[.
 
 
 def save(compiled: CompiledModel, path: str | os.PathLike) -> Path:
-    """Write the exported program (+ metadata) to ``path`` (.pt2) through a temp file and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        meta = {k: v for k, v in compiled.metadata.items()}
-        torch.export.save(compiled.exported_program, tmp, extra_files={_META_FILE: json.dumps(meta)})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write the compiled model to one file at ``path`` (temp file + rename)."""
+    from recforge.recom.artifact import save_compiled
+
+    return save_compiled(compiled, path)
 
 
 def _register_custom_ops() -> None:
     """Exported graphs may call recforge's torch.library ops: make sure they are registered before loading."""
     try:
         import recforge_kernels  # noqa: F401
+        import recforge_kernels.embedding_op  # noqa: F401
     except ImportError:
         pass
 
 
 def load(path: str | os.PathLike, backend: Backend | None = None) -> CompiledModel:
-    """Load a program written by ``save``; ``backend`` defaults to the one requested at compile time
+    """Load a model written by ``save``; ``backend`` defaults to the one requested at compile time
     (Inductor / AOTInductor compile again here: pass ``backend="export"`` for an instant load)."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"compiled model not found: {path}")
+    from recforge.recom.artifact import load_compiled
+
     _register_custom_ops()
-    extra = {_META_FILE: ""}
-    ep = torch.export.load(path, extra_files=extra)
-    meta = json.loads(extra[_META_FILE]) if extra[_META_FILE] else {}
-    return CompiledModel(ep, backend=backend or meta.get("requested_backend", DEFAULT_BACKEND), metadata=meta)
+    return load_compiled(path, backend)

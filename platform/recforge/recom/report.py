@@ -50,8 +50,15 @@ def measure_latency(fn: Callable[..., Any], inputs: Sequence[Any], repeats: int 
 
 
 def take_rows(inputs: Sequence[Any], n: int) -> tuple:
-    """The first ``n`` rows of a batch of inputs (rows repeat cyclically when it has fewer)."""
-    return tile_rows(tuple(inputs), n)
+    """The first ``n`` rows of a batch of inputs (rows repeat cyclically when it has fewer); a request dict
+    with jagged columns (``<name>`` + ``<name>_lengths``) keeps each row's values."""
+    inputs = tuple(inputs)
+    if len(inputs) == 1 and isinstance(inputs[0], dict) and any(k.endswith("_lengths") for k in inputs[0]):
+        from recforge.recom.family import batch_of, select_rows
+
+        batch = batch_of(inputs[0])
+        return (select_rows(inputs[0], [i % batch for i in range(n)]),)
+    return tile_rows(inputs, n)
 
 
 def compile_report(eager: Callable[..., torch.Tensor], compiled: CompiledModel, heldout_inputs: Sequence[Any], *,

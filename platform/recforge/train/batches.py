@@ -36,6 +36,11 @@ class Batch:
     real: int  # number of real rows
     task_id: str | None = None
     last_of_task: bool = False
+    epoch: int = -1  # where the real rows come from: rows [row_start, row_end) of `shard` in `epoch`
+    shard: int = -1
+    row_start: int = 0
+    row_end: int = 0
+    task_rows: int = 0  # real rows of the whole task (reported with done)
 
 
 def slice_raw(raw: RawBatch, start: int, end: int) -> RawBatch:
@@ -59,12 +64,12 @@ class TaskBatches:
 
     The caller trains each batch, then calls `trained(batch)`: after a task's last batch that reports
     the task done (with its real row count) to the master, so a task is never marked done before its
-    rows have been trained on.
+    rows have been trained on. `ledger` (recforge.train.ledger.Ledger) records every trained batch's rows.
     """
 
     def __init__(
         self, client: TaskClient, manifest_dir: str | Path, dataset: DatasetConfig, executor: Executor,
-        batch_size: int, device: torch.device,
+        batch_size: int, device: torch.device, ledger=None,
     ) -> None:
         self.client, self.manifest_dir, self.dataset = client, Path(manifest_dir), dataset
         self.executor, self.batch_size, self.device = executor, batch_size, device
@@ -73,6 +78,7 @@ class TaskBatches:
         self._offset = 0
         self._exhausted = False
         self.tasks_done = 0
+        self.ledger = ledger
 
     def next(self) -> Batch | None:
         while self._raw is None or self._offset >= self._raw.rows:
@@ -84,13 +90,26 @@ class TaskBatches:
         batch = prepare(slice_raw(self._raw, start, end), self.batch_size, self.executor, self.device)
         batch.task_id = self._task.task_id
         batch.last_of_task = end >= self._raw.rows
+        batch.epoch, batch.shard = self._task.epoch, self._task.shard
+        batch.row_start, batch.row_end = self._task.row_start + start, self._task.row_start + end
+        batch.task_rows = self._raw.rows
         return batch
 
+    def progress(self) -> dict[str, int]:
+        """{task id: rows of it handed out as batches} for the task this rank holds; after `trained` was
+        called for every batch handed out, that is how much of it the model has seen."""
+        if self._task is None or self._raw is None:
+            return {}
+        return {self._task.task_id: self._offset}
+
     def trained(self, batch: Batch) -> None:
+        if self.ledger is not None and batch.task_id is not None:
+            self.ledger.record(batch.epoch, batch.shard, batch.row_start, batch.row_end)
         if batch.last_of_task and batch.task_id is not None:
-            self.client.done(batch.task_id, samples=self._raw.rows)
+            self.client.done(batch.task_id, samples=batch.task_rows)
             self.tasks_done += 1
-            self._raw, self._task = None, None
+            if self._task is not None and self._task.task_id == batch.task_id:
+                self._raw, self._task = None, None  # else (micro-batches) the next task is already leased
 
     def _lease(self) -> bool:
         task = self.client.lease()

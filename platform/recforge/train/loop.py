@@ -112,10 +112,14 @@ def train_epoch(
     heartbeat: Heartbeat | None = None,
     sink: MetricsSink | None = None,
     rank: int = 0,
+    resume: EpochStats | None = None,
+    on_window: Callable[[LoopState, EpochStats], None] | None = None,
 ) -> EpochStats:
+    """`resume`: the counters of this epoch restored from a checkpoint. `on_window(state, stats)` runs
+    on every rank at each logging-window boundary, when `stats` is exact (checkpoints happen there)."""
     model, opt = sharded.model, sharded.optimizer
     model.train()
-    stats = EpochStats(epoch=epoch)
+    stats = resume if resume is not None else EpochStats(epoch=epoch)
     t0 = win_t0 = time.perf_counter()
     win_loss, win_samples = 0.0, 0
     window = WindowMetrics()
@@ -153,12 +157,14 @@ def train_epoch(
                 if sink is not None:
                     sink({"train_loss": state.last_window_loss, "samples_per_s": sps, **quality}, state.step)
             win_t0, win_loss, win_samples = now, 0.0, 0
+            if on_window is not None:
+                on_window(state, stats)
     g_loss, g_samples = _all_reduce([win_loss, float(win_samples)])
     if g_samples:
         state.last_window_loss = g_loss / g_samples
     stats.loss_sum += g_loss
     stats.samples += int(g_samples)
-    stats.wall_s = time.perf_counter() - t0
+    stats.wall_s += time.perf_counter() - t0
     stats.tasks_done = source.tasks_done
     state.epochs.append(stats)
     if rank == 0:

@@ -9,6 +9,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from recforge.config import DatasetConfig, ModelConfig, TrainConfig
+from recforge.train.recovery_spec import RecoverySpec
 
 
 class WorkerSpec(BaseModel):
@@ -29,6 +30,7 @@ class WorkerSpec(BaseModel):
     seed: int = 0
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec, description="checkpoints, restarts, flash, accounting")
 
     @model_validator(mode="after")
     def _consistent(self) -> "WorkerSpec":

@@ -3,6 +3,11 @@
 Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (without them
 it runs as a single rank), trains the spec's DLRM with DMP over the job master's data-shard tasks,
 writes a DCP checkpoint to spec.checkpoint_dir, and on rank 0 output_dir/result.json + probe.pt.
+
+Recovery (spec.recovery, recforge.train.restart): a group first loads the newest usable step
+checkpoint (any world size) and rolls the job master back to the data state stored with it; it
+takes step checkpoints (flash or disk) at logging-window boundaries; a failing rank records its
+exception for the failover policy; a stop command from the master (rescale) checkpoints and exits 0.
 """
 from __future__ import annotations
 
@@ -57,16 +62,22 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> d
     from recforge.preprocess.plan import Plan
     from recforge.train.batches import TaskBatches, empty
     from recforge.train.checkpoint import save_checkpoint
-    from recforge.train.loop import Heartbeat, LoopState, train_epoch
+    from recforge.train.accumulate import train_epoch_accumulated
+    from recforge.train.checkpointer import Checkpointer
+    from recforge.train.flash import agent_present
+    from recforge.train.ledger import Ledger
+    from recforge.train.loop import Heartbeat, train_epoch
     from recforge.train.model import build_dlrm
     from recforge.train.probe import probe_logits
+    from recforge.train.restart import resume_group
     from recforge.train.sharding import shard_model
+    from recforge.train.window import GroupStop, WindowHook
 
     t_start = time.perf_counter()
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restart and rank == 0:
-        log.warning("restart %d of the worker group: the model starts again from its initial weights; the job "
-                    "master hands out only the data not yet done", restart)
+    rec = spec.recovery
+    generation = launch_generation(spec)
+    accumulation = rec.grad_accumulation
+    per_rank = rank_step_rows(spec, world_size)
     plan = Plan.load(spec.plan_path)
     tables, num_dense = plan.tables(), len(plan.dense_features())
     torch.manual_seed(spec.seed)
@@ -74,35 +85,76 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> d
     sharded = shard_model(model, spec.train, world_size=world_size, device=device)
     executor = make_executor(spec.preprocess_executor, plan, spec.dataset)  # PipelineConfig.preprocess_executor
     bs = spec.train.batch_size
-    zero_batch = empty(spec.dataset, bs, executor, device)
+    micro = per_rank // accumulation  # rows per forward; a step is `accumulation` of them on every rank
+    zero_batch = empty(spec.dataset, micro, executor, device)
 
-    client = MasterClient(spec.master_url, worker_id=f"rank{rank}-{os.getpid()}")
-    start = torch.tensor([client.epoch_state()["epoch"] if rank == 0 else 0], dtype=torch.int64)
-    dist.broadcast(start, src=0)  # every rank runs the same epochs
+    client = MasterClient(spec.master_url, worker_id=f"rank{rank}-{os.getpid()}", generation=generation,
+                          max_attempts=rec.master_retry_attempts)
+    client.join()
+    disk_root = rec.steps_root(spec.checkpoint_dir)
+    memory_root = rec.shm_root(spec.checkpoint_dir)
+    start = resume_group(sharded.model, sharded.optimizer, client, rank=rank, disk_root=disk_root,
+                         memory_root=memory_root if rec.flash else None, reason=f"generation {generation} starts")
+    state, restored = start.state, start.restored
+    ledger = None
+    if rec.ledger_dir is not None:
+        ledger = Ledger(rec.ledger_dir, generation, rank, since=state.step)
+        if rank == 0:
+            ledger.start(restored.step if restored else None, restored.meta.get("generation") if restored else None,
+                         world_size)
+    flash = rec.flash and agent_present(rec.flash_agent)
+    if rec.flash and not flash and rank == 0:
+        log.warning("recovery.flash is set but no flash agent runs (%s unset): checkpoints go to disk synchronously",
+                    "RECFORGE_FLASH_AGENT")
+    summary_plan = sharded.plan_summary()
+    checkpointer = Checkpointer(
+        sharded.model, sharded.optimizer, client, rank=rank, world_size=world_size, generation=generation,
+        every_steps=rec.checkpoint_every_steps, disk_root=disk_root, memory_root=memory_root if flash else None,
+        keep=rec.keep_checkpoints, ledger=ledger, last_step=state.step,
+        extra_meta=lambda: {"sharding_plan": summary_plan, "batch_size": bs, "grad_accumulation": accumulation},
+    )
+    current: dict[str, Any] = {"source": None}
+    hook = WindowHook(checkpointer, client, lambda: current["source"].progress() if current["source"] else {},
+                      rank=rank, generation=generation, micro_batch=micro)
     heartbeat = Heartbeat(client, interval_s=min(10.0, spec.train.lease_timeout_s / 4))
     sink = _metrics_sink(spec) if rank == 0 else None
     if sink is not None:  # connect to the tracking store before the clock starts
         sink.log_now({"world_size": float(world_size), "batch_size": float(bs)}, 0)
-    state = LoopState()
+    samples_before = sum(e.samples for e in state.epochs) + (start.current.samples if start.current else 0)
     t_train = time.perf_counter()
-    for epoch in range(int(start.item()), spec.train.epochs):
-        client.epoch = epoch
-        source = TaskBatches(client, spec.manifest_dir, spec.dataset, executor, bs, device)
-        train_epoch(
-            sharded, source, zero_batch, state, epoch=epoch, world_size=world_size,
-            log_every=spec.train.log_every, heartbeat=heartbeat, sink=sink, rank=rank,
-        )
+    try:
+        for epoch in range(start.start_epoch, spec.train.epochs):
+            client.epoch = epoch
+            source = TaskBatches(client, spec.manifest_dir, spec.dataset, executor, micro, device, ledger=ledger)
+            current["source"] = source
+            resume = start.current if start.current is not None and start.current.epoch == epoch else None
+            common = dict(epoch=epoch, world_size=world_size, log_every=spec.train.log_every, heartbeat=heartbeat,
+                          sink=sink, rank=rank, resume=resume, on_window=hook)
+            if accumulation == 1:
+                train_epoch(sharded, source, zero_batch, state, **common)
+            else:
+                train_epoch_accumulated(sharded, source, zero_batch, state, accumulation=accumulation, **common)
+    except GroupStop as stop:
+        if rank == 0:
+            log.warning("generation %d stops at step %d: %s", generation, state.step, stop)
+        if sink is not None:
+            sink.close()
+        client.close()
+        return None
+    finally:
+        if ledger is not None:
+            ledger.close()
     train_wall = time.perf_counter() - t_train
     client.close()
 
-    probe = probe_logits(sharded.model, spec.manifest_dir, spec.dataset, executor, bs, device)
+    probe = probe_logits(sharded.model, spec.manifest_dir, spec.dataset, executor, micro, device)
     summary = sharded.plan_summary()
     meta = {"world_size": world_size, "sharding_plan": summary, "model": spec.model.model_dump(mode="json"),
             "tables": tables, "num_dense": num_dense, "steps": state.step}
     save_checkpoint(sharded.model, sharded.optimizer, spec.checkpoint_dir, rank=rank, meta=meta)
     if rank != 0:
         return None
-    samples = sum(e.samples for e in state.epochs)
+    samples = sum(e.samples for e in state.epochs) - samples_before  # trained by this group
     result = {
         "world_size": world_size,
         "steps": state.step,
@@ -119,6 +171,16 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> d
         "sharding_plan": summary,
         "checkpoint_dir": str(spec.checkpoint_dir),
         "probe": {k: v for k, v in probe.items() if k != "logits"},
+        "generation": generation,
+        "resumed_from": ({"path": str(restored.path), "step": restored.step, "source": restored.source,
+                          "saved_by_generation": restored.meta.get("generation"),
+                          "saved_at_world_size": restored.meta.get("world_size"), "skipped": restored.skipped}
+                         if restored is not None else None),
+        "checkpoints": checkpointer.summary(),
+        "grad_accumulation": accumulation,
+        "micro_batch_size": micro,
+        "rows_per_rank_step": per_rank,
+        "global_batch": per_rank * world_size,
     }
     out = Path(spec.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -131,6 +193,25 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> d
     os.replace(tmp, out / RESULT_FILE)
     log.info("result: %s", json.dumps({k: result[k] for k in ("steps", "samples_per_epoch", "final_loss", "samples_per_s")}))
     return result
+
+
+def rank_step_rows(spec: WorkerSpec, world_size: int) -> int:
+    """Rows one rank trains per optimizer step: its share of recovery.global_batch (kept across rescales),
+    else train.batch_size; split into recovery.grad_accumulation equal micro-batches."""
+    rec = spec.recovery
+    rows = spec.train.batch_size if rec.global_batch is None else rec.global_batch // world_size
+    if rec.global_batch is not None and rec.global_batch % world_size:
+        raise ValueError(f"recovery.global_batch={rec.global_batch} is not divisible by the world size {world_size}")
+    if rows % rec.grad_accumulation:
+        raise ValueError(f"recovery.grad_accumulation={rec.grad_accumulation} does not divide the {rows} rows a rank "
+                         f"trains per step")
+    return rows
+
+
+def launch_generation(spec: WorkerSpec) -> int:
+    """This group's launch generation: the launch's base (set per relaunch by the supervisor) plus
+    torchrun's restart count; the job master refuses calls from older generations."""
+    return spec.recovery.generation_base + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def _quiet_logs(rank: int) -> None:
@@ -160,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
     try:
         run(spec, rank, world_size, device)
+    except BaseException as e:
+        if spec.recovery.failures_dir is not None and not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            from recforge.elastic.failover import record_exception
+
+            record_exception(spec.recovery.failures_dir, rank=rank, generation=launch_generation(spec), exc=e)
+        raise
     finally:
         dist.destroy_process_group()
     return 0

@@ -1,0 +1,57 @@
+"""How a training worker survives failures: checkpoint cadence and places, flash checkpoints, the
+launch generation, gradient accumulation, per-sample accounting. Part of the worker spec
+(`WorkerSpec.recovery`); every field has a default that keeps the pre-recovery behaviour cheap.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+STEPS_SUFFIX = ".steps"
+DEFAULT_SHM = Path("/dev/shm")
+
+
+class RecoverySpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint_every_steps: int = Field(
+        0, ge=0, description="take a resumable checkpoint every this many steps (at the next logging-window "
+        "boundary); 0: only the final checkpoint, so a restart trains from the initial weights and all data again")
+    checkpoint_root: Path | None = Field(
+        None, description="where step checkpoints go (default: <checkpoint_dir>.steps next to the final checkpoint)")
+    keep_checkpoints: int = Field(2, ge=1, description="step checkpoints kept on disk (older ones are deleted)")
+    flash: bool = Field(
+        False, description="checkpoint into shared memory (synchronous, fast) and let the agent persist to disk "
+        "asynchronously; used only when an agent runs (flash_agent, or RECFORGE_FLASH_AGENT in the environment), "
+        "else a synchronous disk save")
+    flash_root: Path | None = Field(None, description="shared-memory directory (default: /dev/shm/recforge-<hash>)")
+    flash_agent: bool = Field(False, description="set by the launcher when it runs a FlashPersister for this job")
+    generation_base: int = Field(0, ge=0, description="launch generation of this launch's first worker group; "
+                                 "a worker's generation is this plus torchrun's restart count")
+    global_batch: int | None = Field(None, ge=1, description="rows per optimizer step over all ranks, kept when "
+                                      "the world size changes (default: world_size * train.batch_size)")
+    grad_accumulation: int = Field(1, ge=1, description="micro-batches per step: each rank trains its share of the "
+                                   "global batch in k forward/backward passes, then steps once")
+    ledger_dir: Path | None = Field(None, description="per-sample accounting: every rank appends the rows it trains")
+    failures_dir: Path | None = Field(None, description="a failing rank writes its exception here for the failover policy")
+    master_retry_attempts: int = Field(10, ge=1, description="job master calls are retried this often (backoff up "
+                                       "to 5 s) before a worker gives up: rides out a master restart")
+
+    def steps_root(self, checkpoint_dir: Path) -> Path:
+        return Path(self.checkpoint_root) if self.checkpoint_root is not None else default_steps_root(checkpoint_dir)
+
+    def shm_root(self, checkpoint_dir: Path) -> Path:
+        return Path(self.flash_root) if self.flash_root is not None else default_flash_root(self.steps_root(checkpoint_dir))
+
+
+def default_steps_root(checkpoint_dir: str | Path) -> Path:
+    p = Path(checkpoint_dir)
+    return p.with_name(p.name + STEPS_SUFFIX)
+
+
+def default_flash_root(steps_root: str | Path) -> Path:
+    """One shared-memory directory per checkpoint root, so the agent and the workers agree without talking."""
+    digest = hashlib.sha1(str(Path(steps_root).resolve()).encode()).hexdigest()[:16]
+    return DEFAULT_SHM / f"recforge-flash-{digest}"

@@ -1,0 +1,324 @@
+"""Fault injection on the local backend with the real TorchRec worker (2 gloo ranks on CPU).
+
+Every job trains a small DLRM on generated Criteo-like data and keeps a per-sample ledger
+(recforge.train.ledger). The guarantee checked after each failure: the final model's lineage holds
+every row of the epoch exactly once, every row was trained at least once, and the rows trained more
+than once are only those a failed group trained after the checkpoint that was resumed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROWS = 16_000
+BATCH = 256
+LOG_EVERY = 5
+CKPT_EVERY = 10
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from recforge.config import ModelConfig, TrainConfig, dataset_preset
+    from recforge.data.generator import generate_days
+    from recforge.data.ingest import ingest
+    from recforge.preprocess.plan import criteo_plan
+
+    root = tmp_path_factory.mktemp("fault_data")
+    ds = dataset_preset("criteo_kaggle")
+    generate_days(ds, root / "raw", days=2, rows_per_day=ROWS, seed=7)
+    ingest([root / "raw" / "day_0.tsv"], ds, root / "train", rows_per_shard=4000, max_bad_fraction=0.01)
+    ingest([root / "raw" / "day_1.tsv"], ds, root / "holdout", rows_per_shard=8000, max_bad_fraction=0.01)
+    plan = criteo_plan(ds, 5000)
+    plan.save(root / "plan.json")
+    model = ModelConfig(embedding_dim=8, dense_arch=[32, 8], over_arch=[32, 1])
+    train = TrainConfig(epochs=1, batch_size=BATCH, batches_per_task=4, log_every=LOG_EVERY, embedding_lr=0.05,
+                        dense_lr=0.002, lease_timeout_s=600.0)
+    return {"root": root, "ds": ds, "plan": plan, "model": model, "train": train}
+
+
+def spec_for(data, run: Path, **recovery) -> dict:
+    return {
+        "manifest_dir": str(data["root"] / "train"), "plan_path": str(data["root"] / "plan.json"),
+        "dataset": data["ds"].model_dump(mode="json"), "model": data["model"].model_dump(mode="json"),
+        "train": data["train"].model_dump(mode="json"), "checkpoint_dir": str(run / "ckpt"),
+        "output_dir": str(run / "out"), "seed": 0,
+        "recovery": {"checkpoint_every_steps": CKPT_EVERY, "ledger_dir": str(run / "ledger"), **recovery},
+    }
+
+
+def run_job(data, run: Path, *, workers=2, max_restarts=0, faults=None, resume=False, recovery=None, **kw):
+    from recforge.config import ResourceConfig
+    from recforge.data.manifest import Manifest
+    from recforge.elastic.job import run_training_job
+    from recforge.elastic.local import LocalBackend
+    from recforge.elastic.policy import StaticPolicy
+
+    res = ResourceConfig(workers=workers, threads_per_worker=1, max_restarts=max_restarts)
+    env = {"RECFORGE_FAULTS": json.dumps(faults)} if faults else {}
+    backend = LocalBackend(max_restarts=0, log_dir=run / "job", env=env, monitor_interval_s=0.5)
+    shard_rows = [s.rows for s in Manifest.load(data["root"] / "train").shards]
+    return run_training_job(spec_for(data, run, **(recovery or {})), shard_rows, resources=res,
+                            state_dir=run / "job", policy=StaticPolicy(res, cpu_count=2), backend=backend,
+                            resume=resume, timeout_s=400, poll_s=0.2, **kw)
+
+
+def worker_result(run: Path) -> dict:
+    return json.loads((run / "out" / "result.json").read_text())
+
+
+def auc(data, run: Path) -> float:
+    from recforge.preprocess.executor import TorchExecutor
+    from recforge.train.checkpoint import load_unsharded
+    from recforge.train.metrics import evaluate
+
+    plan = data["plan"]
+    model = load_unsharded(data["model"], plan.tables(), len(plan.dense_features()), run / "ckpt")
+    return evaluate(model, TorchExecutor(plan, data["ds"]), data["root"] / "holdout", batch_size=4096)["auc"]
+
+
+def check_guarantee(data, run: Path, max_redone_steps: int | None = None):
+    """Lineage exactly once, trained at least once, extra training only after a resumed checkpoint."""
+    from recforge.data.manifest import Manifest
+    from recforge.train.ledger import audit
+
+    manifest = Manifest.load(data["root"] / "train")
+    expected = {(0, s, r) for s, info in enumerate(manifest.shards) for r in range(info.rows)}
+    a = audit(run / "ledger")
+    assert set(a.lineage) == expected and set(a.lineage.values()) == {1}
+    assert set(a.trained) == expected
+    redone = sum(a.redone.values())
+    if max_redone_steps is not None:  # work lost at a failure: at most the steps since the resumed checkpoint
+        assert redone <= max_redone_steps * 2 * BATCH, redone
+    return a
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    run = tmp_path_factory.mktemp("reference")
+    result = run_job(data, run)
+    return {"run": run, "result": result, "auc": auc(data, run)}
+
+
+def test_uninterrupted_run_trains_every_row_exactly_once(data, reference):
+    run, result = reference["run"], reference["result"]
+    a = check_guarantee(data, run)
+    assert sum(a.trained.values()) == ROWS and a.chain == [0]  # nothing trained twice
+    assert result.restarts == 0 and [x["outcome"] for x in result.attempts] == ["finished"]
+    w = worker_result(run)
+    assert w["samples_per_epoch"] == [ROWS] and w["checkpoints"]["checkpoints"] >= 2 and w["resumed_from"] is None
+    assert reference["auc"] > 0.6
+
+
+def _pid_of(state_file: Path, rank: int, min_done: int) -> int | None:
+    try:
+        d = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        return None
+    done = sum(1 for r in d["queue"]["records"] if r["state"] == "done")
+    workers = [w for w in d["workers"] if w.startswith(f"rank{rank}-")]
+    if done < min_done or not workers:
+        return None
+    return int(workers[-1].split("-")[1])
+
+
+def test_sigkill_of_one_worker_mid_epoch_resumes_from_the_flash_checkpoint(data, reference, tmp_path):
+    killed: dict = {}
+
+    def killer():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            pid = _pid_of(tmp_path / "job" / "master_state.json", rank=1, min_done=7)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed["pid"] = pid
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    result = run_job(data, tmp_path, max_restarts=2, recovery={"flash": True})
+    t.join(timeout=5)
+    assert killed, "the worker was never killed"
+    assert result.finished and result.restarts == 1
+    assert [x["outcome"] for x in result.attempts] == ["failed", "finished"]
+    assert result.attempts[0]["failure"].startswith("killed")
+    w = worker_result(tmp_path)
+    assert w["generation"] == 1 and w["samples_per_epoch"] == [ROWS]
+    resumed = w["resumed_from"]
+    assert resumed["source"] == "memory" and resumed["saved_by_generation"] == 0 and resumed["step"] >= CKPT_EVERY
+    assert w["checkpoints"]["kind"] == "memory"
+    a = check_guarantee(data, tmp_path, max_redone_steps=CKPT_EVERY + LOG_EVERY + 1)
+    assert a.chain == [1, 0]
+    log_text = (tmp_path / "job" / "workers.log").read_text()
+    assert "resuming from memory checkpoint" in log_text
+    assert (tmp_path / "ckpt.steps").is_dir()  # the agent persisted snapshots to disk
+    got = auc(data, tmp_path)
+    print(f"AUC after a SIGKILL {got:.4f}, uninterrupted {reference['auc']:.4f}")
+    assert abs(got - reference["auc"]) <= 0.01
+
+
+def _master_cmd(data, state_file: Path, port: int, url_file: Path) -> list[str]:
+    return [sys.executable, "-m", "recforge.elastic.master_server", "--manifest", str(data["root"] / "train"),
+            "--rows-per-task", str(BATCH * 4), "--state-file", str(state_file), "--port", str(port),
+            "--lease-timeout-s", "600", "--url-file", str(url_file)]
+
+
+def _wait_file(path: Path, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return path.read_text()
+        time.sleep(0.05)
+    raise TimeoutError(f"{path} never appeared")
+
+
+def test_killed_master_restarts_from_its_persisted_state(data, tmp_path):
+    """The master runs as its own process; SIGKILL it mid-epoch, start it again on the same port:
+    the workers retry their calls and the job finishes with every row exactly once."""
+    from recforge.elastic.client import MasterClient
+    from recforge.elastic.local import LocalBackend, free_port
+    from recforge.elastic.policy import ResourcePlan
+    from recforge.train.spec import WorkerSpec
+
+    port, state_file = free_port(), tmp_path / "master" / "state.json"
+    logs = [open(tmp_path / f"master-{i}.log", "wb") for i in range(2)]
+    master = subprocess.Popen(_master_cmd(data, state_file, port, tmp_path / "url1"), stdout=logs[0],
+                              stderr=subprocess.STDOUT)
+    restarted = None
+    try:
+        url = _wait_file(tmp_path / "url1")
+        spec = spec_for(data, tmp_path)
+        spec.update(master_url=url, threads_per_worker=1)
+        spec_path = WorkerSpec.model_validate(spec).save(tmp_path / "spec.json")
+        backend = LocalBackend(max_restarts=0, log_dir=tmp_path / "job")
+        handle = backend.launch(spec_path, ResourcePlan(workers=2, threads_per_worker=1))
+        try:
+            deadline = time.monotonic() + 300
+            while _pid_of(state_file, rank=0, min_done=6) is None:
+                assert time.monotonic() < deadline and handle.proc.poll() is None, backend.log_tail(handle)
+                time.sleep(0.05)
+            master.send_signal(signal.SIGKILL)
+            master.wait()
+            time.sleep(1.0)  # the workers' calls fail and back off meanwhile
+            restarted = subprocess.Popen(_master_cmd(data, state_file, port, tmp_path / "url2"), stdout=logs[1],
+                                         stderr=subprocess.STDOUT)
+            assert _wait_file(tmp_path / "url2") == url
+            code = backend.wait(handle, timeout=300, check=False)
+            assert code == 0, backend.log_tail(handle)
+        finally:
+            backend.stop(handle)
+        state = MasterClient(url, "observer").epoch_state()
+    finally:
+        for p in (master, restarted):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.wait(timeout=30)
+        for f in logs:
+            f.close()
+    assert state["finished"] and state["rows_done_total"] == ROWS
+    assert "job master resumed from" in (tmp_path / "master-1.log").read_text()
+    a = check_guarantee(data, tmp_path)
+    assert sum(a.trained.values()) == ROWS  # no worker failed: nothing was trained twice
+    assert worker_result(tmp_path)["samples_per_epoch"] == [ROWS]
+
+
+def test_repeated_kills_exhaust_the_budget_then_a_resume_skips_a_corrupt_checkpoint(data, tmp_path):
+    from recforge.elastic.backend import JobFailedError
+    from recforge.train.ckpt_layout import disk_problem, step_name
+
+    kill_rank1 = [{"kind": "kill", "at_step": 25, "rank": 1}]  # every generation dies at step 25
+    with pytest.raises(JobFailedError) as err:
+        run_job(data, tmp_path, max_restarts=1, faults=kill_rank1)
+    msg = str(err.value)
+    assert "restart budget exhausted: 1 restart(s) used of 1" in msg and "progress kept" in msg
+    assert [a["outcome"] for a in err.value.attempts] == ["failed", "failed"]
+    steps = tmp_path / "ckpt.steps"
+    assert sorted(p.name for p in steps.iterdir()) == [step_name(10), step_name(20)]  # partial progress intact
+    assert all(disk_problem(p) is None for p in steps.iterdir())
+    saved = json.loads((tmp_path / "job" / "master_state.json").read_text())
+    assert saved["queue"]["epoch"] == 0 and any(r["state"] == "done" for r in saved["queue"]["records"])
+
+    victim = steps / step_name(20) / "__1_0.distcp"
+    data_bytes = bytearray(victim.read_bytes())
+    data_bytes[len(data_bytes) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data_bytes))
+
+    result = run_job(data, tmp_path, max_restarts=0, resume=True)
+    assert result.finished
+    log_text = (tmp_path / "job" / "workers.log").read_text()
+    assert (f"{step_name(20)} (disk, step 20) is unusable: __1_0.distcp sha256 mismatch; falling back to the "
+            f"previous one") in log_text
+    assert f"resuming from disk checkpoint {steps / step_name(10)}" in log_text
+    w = worker_result(tmp_path)
+    assert w["resumed_from"]["step"] == 10 and w["samples_per_epoch"] == [ROWS]
+    a = check_guarantee(data, tmp_path)
+    assert a.chain == [2, 0]  # the resumed run's generation continues from generation 0's step 10
+
+
+def test_deterministic_error_is_not_relaunched(data, tmp_path):
+    from recforge.elastic.backend import JobFailedError
+
+    with pytest.raises(JobFailedError) as err:
+        run_job(data, tmp_path, max_restarts=3, faults=[{"kind": "raise", "at_step": 5, "rank": 1,
+                                                         "message": "schema check failed at step 5"}])
+    msg = str(err.value)
+    assert "deterministic code error" in msg and "InjectedFault" in msg and "faults.py" in msg
+    assert len(err.value.attempts) == 2  # relaunched once, then recognised
+
+
+def test_out_of_memory_then_a_hang_are_both_recovered(data, reference, tmp_path):
+    """Generation 0 runs out of memory at a per-rank batch of 256: relaunched with 2 x 128 (same global
+    batch). Generation 1's rank 1 then hangs: no progress for 10 s, the group is killed and relaunched."""
+    from recforge.elastic.failover import FailoverPolicy
+
+    faults = [{"kind": "oom", "at_step": 5, "min_batch": BATCH // 2},
+              {"kind": "hang", "at_step": 15, "rank": 1, "generation": 1}]
+    result = run_job(data, tmp_path, max_restarts=2, faults=faults,
+                     failover=FailoverPolicy(max_relaunches=2, hang_timeout_s=10.0))
+    assert result.finished and result.grad_accumulation == 2 and result.restarts == 2
+    assert [x["outcome"] for x in result.attempts] == ["failed", "failed", "finished"]
+    oom, hang = result.attempts[0], result.attempts[1]
+    assert oom["failure"].startswith("oom") and "per-rank batch 128 x 2" in oom["decision"]
+    assert hang["failure"].startswith("hang") and "no training progress" in hang["decision"]
+    assert [x["grad_accumulation"] for x in result.attempts] == [1, 2, 2]
+    w = worker_result(tmp_path)
+    assert (w["micro_batch_size"], w["grad_accumulation"], w["global_batch"]) == (BATCH // 2, 2, 2 * BATCH)
+    assert w["samples_per_epoch"] == [ROWS]
+    a = check_guarantee(data, tmp_path)
+    assert a.chain == [2, 1]  # generation 0 died before its first checkpoint; 2 resumed from 1's
+    got = auc(data, tmp_path)
+    print(f"AUC after OOM (accumulation) and a hang {got:.4f}, reference {reference['auc']:.4f}")
+    assert abs(got - reference["auc"]) <= 0.01
+
+
+def test_rescale_from_two_workers_to_one_reloads_the_checkpoint_resharded(data, reference, tmp_path):
+    decided: list = []
+
+    def scaler(state, running):
+        if state["tasks"]["done"] >= 6 and not decided:
+            decided.append(state["tasks"]["done"])
+            return 1
+        return None
+
+    result = run_job(data, tmp_path, scaler=scaler)
+    assert result.finished and [x["outcome"] for x in result.attempts] == ["rescaled", "finished"]
+    assert result.plan.workers == 1 and result.restarts == 0
+    w = worker_result(tmp_path)
+    assert w["world_size"] == 1 and w["resumed_from"]["saved_at_world_size"] == 2
+    assert (w["global_batch"], w["grad_accumulation"], w["micro_batch_size"]) == (2 * BATCH, 2, BATCH)
+    assert w["samples_per_epoch"] == [ROWS]
+    a = check_guarantee(data, tmp_path)
+    assert sum(a.trained.values()) == ROWS  # a graceful stop checkpoints where it stops: nothing redone
+    got = auc(data, tmp_path)
+    print(f"AUC after rescaling 2 -> 1 {got:.4f}, reference {reference['auc']:.4f}")
+    assert abs(got - reference["auc"]) <= 0.01
