@@ -4,16 +4,23 @@ Variants, each over the same raw batches (batch 8192, nulls and int64 extremes, 
 gives them), fixed torch / DALI thread counts, medians of interleaved rounds, ratios against eager:
   eager          one torch op per feature per op (RAP's unfused baseline)
   stacked        PreprocessModule: same-chain features stacked into [B, g] torch ops, no kernel fusion
-  fused          the compiled plan, one recforge::fused_* call per group (C++ CPU kernels)
+  fused          the fused executor as the pipeline runs it: on CPU one recforge::fused_chain call, every feature's
+                 chain per row tile in one pass (C++), when the plan keeps one value per row
+  fused_groups   the compiled plan's groups, one recforge::fused_* call per group (RAP's horizontal fusion)
   fused_torch    the same groups on the kernels' torch fallback (shows what the C++ buys)
   dali           NVIDIA DALI CPU pipeline (device_id=None) + fused for what DALI cannot express
   compiled       torch.compile of the stacked module with the hash in plain torch ops (child process, time limit)
+  compiled_steps the same with each step of each group compiled on its own (one graph per op step): plans 2-3 chain
+                 sigrid_hash 4 times, and Inductor's compile time grows steeply with chained hashes in one graph
+                 (see --compile-timeout and the printed reason)
   pandas         pandas/numpy: vectorized columns, list ops row by row (a stand-in for TorchArrow on CPU)
 Every variant's output is checked against fused (ints equal, floats within 1e-6 relative) before it is timed.
 Machine limits: streaming bandwidth (numpy copy of 256 MiB) and int64 multiply-add throughput (numpy, in cache);
 per plan the bytes moved and integer ops per row are estimated from the compiled plan, so the fused rate can be
-read against both limits. glibc malloc is tuned in-process (mallopt: no mmap below 32 MiB, no heap trimming),
-for every variant alike, unless --default-malloc.
+read against both limits; `which_limit` measures which one binds (the fused rate at the full batch against a batch
+that fits in L2). glibc malloc is tuned in-process (mallopt: no mmap below 32 MiB, no heap trimming below 2 GiB), for
+every variant alike, unless --default-malloc: with glibc's defaults (or a trim threshold that wraps to 0, as 2**40
+did through mallopt's int) every large output is page-faulted in again on every batch.
 
     python bench/bench_preprocess.py                     # plans 0-3, batch 8192, 1 thread
     python bench/bench_preprocess.py --plans plan3 --variants eager,fused --rounds 3
@@ -24,12 +31,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import multiprocessing as mp
 import os
 import platform
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -47,9 +52,10 @@ from recforge.preprocess.presets import load_plan, preset_dataset
 from recforge.preprocess.synth import random_raw_batch
 from recforge_kernels import cpu_ext
 from recforge_kernels import fused as fused_kernels
+from _results import write_report  # bench/_results.py (bench/ is the script's directory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-VARIANTS = ("eager", "stacked", "fused", "fused_torch", "dali", "compiled", "pandas")
+VARIANTS = ("eager", "stacked", "fused", "fused_groups", "fused_torch", "dali", "compiled", "compiled_steps", "pandas")
 # integer ops per value, counted from the kernels: twang_mix64 (~15) + hash_128_to_64 (~10) + floor-mod (~8)
 INT_OPS = {"sigrid_hash": 33, "fill_null": 2, "clamp": 2, "mapid": 3, "bucketize": 2, "cast": 2, "firstx": 1,
            "ngram": 1, "onehot": 3, "logit": 0, "boxcox": 0}
@@ -63,8 +69,9 @@ def tune_malloc() -> str:
     try:
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3
-        ok = libc.mallopt(m_mmap_threshold, 32 * 2**20) and libc.mallopt(m_trim_threshold, 2**40)
-        return "mallopt(M_MMAP_THRESHOLD=32MiB, M_TRIM_THRESHOLD=1TiB)" if ok else "mallopt failed: glibc defaults"
+        # mallopt takes a C int: 2**40 would wrap to 0 (trim on every free, so every batch faults its buffers in)
+        ok = libc.mallopt(m_mmap_threshold, 32 * 2**20) and libc.mallopt(m_trim_threshold, 2**31 - 1)
+        return "mallopt(M_MMAP_THRESHOLD=32MiB, M_TRIM_THRESHOLD=2GiB-1)" if ok else "mallopt failed: glibc defaults"
     except OSError:
         return "not glibc: defaults"
 
@@ -108,6 +115,35 @@ def plan_costs(plan, dataset) -> dict[str, float]:
     bytes_row += 8 * len(plan.sparse_features()) + 4 * len(plan.dense_features())  # the outputs' assembly
     return {"bytes_per_row": bytes_row, "int_ops_per_row": ops_row, "groups": len(compiled.groups),
             "nodes": len(graph.nodes), "milp_solve_s": compiled.solve_time_s, "milp_status": compiled.solver_status}
+
+
+def single_pass_bytes(plan, dataset) -> int:
+    """What the single-pass kernel moves per row: the raw matrices read once (int64 + valid byte per column), the
+    dense float32 matrix and the ids (int64) written, the KJT lengths (int32) written."""
+    return (9 * (len(dataset.dense) + len(dataset.sparse)) + 4 * len(plan.dense_features())
+            + 12 * len(plan.sparse_features()))
+
+
+def which_limit(fused: Callable, dataset, args, bytes_per_row: int) -> dict[str, Any]:
+    """Measured, not modelled: the fused rate on a batch whose raw rows fit in L2 (1024 rows) against the rate at
+    the benchmark's batch, each less the per-call cost (a 1-row batch). Near equal: the arithmetic binds (hash,
+    float64 log / exp); far lower at the full batch: memory does."""
+    sizes = (1, 1024, args.batch)
+    raws = {n: random_raw_batch(dataset, n, seed=args.seed + 5) for n in sizes}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(max(7, args.rounds)):  # interleaved, like the variants: load on the machine hits all three
+        for n in sizes:
+            t = time.perf_counter()
+            fused(raws[n])
+            times[n].append(time.perf_counter() - t)
+    t1, t_small, t_big = (statistics.median(times[n]) for n in sizes)
+    small = 1023 / max(t_small - t1, 1e-9)
+    big = (args.batch - 1) / max(t_big - t1, 1e-9)
+    return {"fused_in_l2_rows_per_s": small, "fused_full_batch_rows_per_s": big, "fused_call_overhead_s": t1,
+            "fused_full_vs_in_l2": big / small,
+            "fused_single_pass_bytes_per_s": big * bytes_per_row,
+            "binding_limit": "compute (the full batch runs at >= 80% of its in-L2 rate)" if big >= 0.8 * small
+            else "memory (the full batch runs below 80% of its in-L2 rate)"}
 
 
 # ---------------------------------------------------------------- pandas / numpy baseline
@@ -198,7 +234,8 @@ def pandas_pipeline(plan, dataset) -> Callable:
 # ---------------------------------------------------------------- torch.compile (child process, time limit)
 
 
-def _compiled_child(plan_name: str, batch: int, threads: int, rounds: int, seed: int, queue) -> None:
+def _compiled_child(plan_name: str, batch: int, threads: int, rounds: int, seed: int, per_step: bool,
+                    queue) -> None:
     try:
         torch.set_num_threads(threads)
         tune_malloc()
@@ -208,7 +245,13 @@ def _compiled_child(plan_name: str, batch: int, threads: int, rounds: int, seed:
         args = (raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid)
         module = PreprocessModule(plan, ds, inline_hash=True)
         t0 = time.perf_counter()
-        compiled = torch.compile(module, dynamic=False)
+        if per_step:
+            for group in module.groups:
+                for i, step in enumerate(group.steps):
+                    group.steps[i] = torch.compile(step, dynamic=False)
+            compiled = module
+        else:
+            compiled = torch.compile(module, dynamic=False)
         got = compiled(*args)
         compile_s = time.perf_counter() - t0
         want = PreprocessModule(plan, ds)(*args)
@@ -223,10 +266,11 @@ def _compiled_child(plan_name: str, batch: int, threads: int, rounds: int, seed:
         queue.put({"error": repr(e)[:500]})
 
 
-def measure_compiled(plan_name: str, batch: int, threads: int, rounds: int, seed: int, timeout_s: float) -> dict:
+def measure_compiled(plan_name: str, batch: int, threads: int, rounds: int, seed: int, timeout_s: float,
+                     per_step: bool = False) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_compiled_child, args=(plan_name, batch, threads, rounds, seed, q))
+    proc = ctx.Process(target=_compiled_child, args=(plan_name, batch, threads, rounds, seed, per_step, q))
     proc.start()
     proc.join(timeout_s)
     if proc.is_alive():
@@ -252,7 +296,7 @@ def bench_plan(name: str, args, limits: dict[str, float]) -> dict[str, Any]:
     runners: dict[str, Callable] = {}
     checks: dict[str, Any] = {}
     fused = make_executor("fused", plan, ds)
-    ref_out = fused(raws[0])
+    ref_out = make_executor("eager", plan, ds)(raws[0])  # every variant is checked against eager
     for v in args.variants:
         if v == "eager":
             runners[v] = make_executor("eager", plan, ds)
@@ -260,6 +304,8 @@ def bench_plan(name: str, args, limits: dict[str, float]) -> dict[str, Any]:
             runners[v] = make_executor("module", plan, ds)
         elif v == "fused":
             runners[v] = fused
+        elif v == "fused_groups":
+            runners[v] = make_executor("fused", plan, ds, single_pass=False)
         elif v == "fused_torch":
             ex = make_executor("fused", plan, ds)
 
@@ -280,7 +326,7 @@ def bench_plan(name: str, args, limits: dict[str, float]) -> dict[str, Any]:
             runners[v] = pandas_pipeline(plan, ds)
     for v, run in runners.items():
         if v != "pandas":
-            checks[v] = "matches fused" if same_output(run(raws[0]), ref_out) else "MISMATCH"
+            checks[v] = "matches eager" if same_output(run(raws[0]), ref_out) else "MISMATCH"
     checks["pandas"] = "not checked (a stand-in for TorchArrow)" if "pandas" in runners else checks.get("pandas")
     # interleaved rounds: every variant once per round, so machine noise spreads over all of them
     times: dict[str, list[float]] = {v: [] for v in runners}
@@ -293,16 +339,20 @@ def bench_plan(name: str, args, limits: dict[str, float]) -> dict[str, Any]:
             run(raw)
             times[v].append(time.perf_counter() - t)
     rows = {v: (pandas_rows if v == "pandas" else args.batch) for v in runners}
-    result: dict[str, Any] = {"variants": {}, "checks": checks, **plan_costs(plan, ds)}
+    result: dict[str, Any] = {"variants": {}, "checks": checks, **plan_costs(plan, ds),
+                              "single_pass_bytes_per_row": single_pass_bytes(plan, ds)}
     for v, ts in times.items():
         med = statistics.median(ts)
         result["variants"][v] = {"median_s": med, "rows_per_s": rows[v] / med, "rounds": len(ts), "rows": rows[v]}
-    if "compiled" in args.variants:
-        c = measure_compiled(name, args.batch, args.threads, args.rounds, args.seed, args.compile_timeout)
-        result["checks"]["compiled"] = "matches reference" if c.get("matches") else c.get("error", "MISMATCH")
+    for v in ("compiled", "compiled_steps"):
+        if v not in args.variants:
+            continue
+        c = measure_compiled(name, args.batch, args.threads, args.rounds, args.seed, args.compile_timeout,
+                             per_step=v == "compiled_steps")
+        result["checks"][v] = "matches reference" if c.get("matches") else c.get("error", "MISMATCH")
         if "median_s" in c:
-            result["variants"]["compiled"] = {"median_s": c["median_s"], "rows_per_s": args.batch / c["median_s"],
-                                              "rounds": args.rounds, "rows": args.batch, "compile_s": c["compile_s"]}
+            result["variants"][v] = {"median_s": c["median_s"], "rows_per_s": args.batch / c["median_s"],
+                                     "rounds": args.rounds, "rows": args.batch, "compile_s": c["compile_s"]}
     eager = result["variants"].get("eager", {}).get("rows_per_s")
     for v, r in result["variants"].items():
         r["vs_eager"] = r["rows_per_s"] / eager if eager else None
@@ -312,7 +362,8 @@ def bench_plan(name: str, args, limits: dict[str, float]) -> dict[str, Any]:
         result["fused_int_ops_per_s"] = f["rows_per_s"] * result["int_ops_per_row"]
         result["fused_share_of_bandwidth"] = result["fused_bytes_per_s"] / limits["stream_bytes_per_s"]
         result["fused_share_of_int_throughput"] = result["fused_int_ops_per_s"] / limits["int64_ops_per_s"]
-        for other in ("compiled", "dali"):
+        result |= which_limit(fused, ds, args, result["single_pass_bytes_per_row"])
+        for other in ("compiled", "compiled_steps", "dali", "fused_groups"):
             if other in result["variants"]:
                 result[f"fused_vs_{other}"] = f["rows_per_s"] / result["variants"][other]["rows_per_s"]
     return result
@@ -329,10 +380,21 @@ def print_table(results: dict[str, Any], variants: list[str]) -> None:
                          f"{'-':>14s}")
         print(f"{name:6s}" + "".join(f"{c:>16s}" for c in cells))
     for name, r in results.items():
+        for v in ("compiled", "compiled_steps"):
+            if v in variants:
+                x = r["variants"].get(v)
+                print(f"{name} {v}: " + (f"compiled in {x['compile_s']:.0f} s" if x else r["checks"].get(v, "-")))
+    for name, r in results.items():
         print(f"{name}: {r['bytes_per_row']:.0f} B/row, {r['int_ops_per_row']:.0f} int ops/row; fused uses "
               f"{100 * r.get('fused_share_of_bandwidth', 0):.1f}% of streaming bandwidth, "
               f"{100 * r.get('fused_share_of_int_throughput', 0):.1f}% of int64 throughput; {r['groups']} groups, "
               f"MILP {r['milp_solve_s']:.3f} s ({r['milp_status']}); checks {r['checks']}")
+        if "binding_limit" in r:
+            print(f"{name}: fused single pass moves {r['single_pass_bytes_per_row']} B/row = "
+                  f"{r['fused_single_pass_bytes_per_s'] / 1e9:.2f} GB/s; full batch at "
+                  f"{100 * r['fused_full_vs_in_l2']:.0f}% of its in-L2 rate "
+                  f"({r['fused_in_l2_rows_per_s'] / 1e6:.2f} M rows/s); per-call cost "
+                  f"{1e6 * r['fused_call_overhead_s']:.0f} us -> binds: {r['binding_limit']}")
 
 
 def main() -> None:
@@ -344,7 +406,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pandas-rows", type=int, default=1024, help="rows per pandas batch (row-wise UDFs are slow)")
-    ap.add_argument("--compile-timeout", type=float, default=900.0, help="seconds for torch.compile + runs per plan")
+    ap.add_argument("--compile-timeout", type=float, default=300.0,
+                    help="seconds for torch.compile + runs per plan and compiled variant")
     ap.add_argument("--default-malloc", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_preprocess.json")
     args = ap.parse_args()
@@ -371,11 +434,7 @@ def main() -> None:
                      "cpp_kernels": cpu_ext.status(), "torch": torch.__version__},
         "plans": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=args.out.parent, delete=False, suffix=".tmp") as tmp:
-        json.dump(report, tmp, indent=2, default=str)
-    os.replace(tmp.name, args.out)
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -120,6 +120,17 @@ sys.exit(0 if ok else 1)' "${RECFORGE_TRIGGERER:-0}" 2>/dev/null
 
 mlflow_healthy() { curl -fsS --max-time 5 "$MLFLOW_URL/health" >/dev/null 2>&1; }
 
+wait_api_server() {
+    local deadline=$((SECONDS + TIMEOUT))
+    while ((SECONDS < deadline)); do
+        running api-server || { log_tail api-server; die "api-server exited during startup (make down, fix, make up)"; }
+        curl -fsS --max-time 5 "$AIRFLOW_URL/api/v2/monitor/health" >/dev/null 2>&1 && { say "api-server answers"; return 0; }
+        sleep 2
+    done
+    log_tail api-server
+    die "api-server did not answer after ${TIMEOUT}s"
+}
+
 wait_healthy() {
     local deadline=$((SECONDS + TIMEOUT)) name a=0 m=0
     while ((SECONDS < deadline)); do
@@ -146,7 +157,11 @@ up() {
         say "airflow db migrate (log $LOGS/db-migrate.log)"
         "$BIN/airflow" db migrate >>"$LOGS/db-migrate.log" 2>&1 || { log_tail db-migrate; die "airflow db migrate failed"; }
     fi
-    for name in "${SERVICES[@]}"; do start "$name"; done
+    # The api-server first: the scheduler's task workers report through its execution API, and a task
+    # queued before it answers fails its first attempt.
+    for name in api-server mlflow; do start "$name"; done
+    wait_api_server
+    for name in "${SERVICES[@]}"; do [[ $name == api-server || $name == mlflow ]] || start "$name"; done
     wait_healthy
     # SimpleAuthManager writes the generated password file world-readable
     [[ -e $PASSWORDS ]] && chmod 600 "$PASSWORDS"

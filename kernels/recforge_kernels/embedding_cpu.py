@@ -1,12 +1,13 @@
 """CPU implementation of ``recforge::embedding_layer``: C++ with OpenMP, built with
 ``torch.utils.cpp_extension.load_inline`` on first use into a cache directory
 (``$RECFORGE_KERNEL_CACHE``, default ``~/.cache/recforge/torch_extensions``), keyed by the source, the
-compiler flags and the CPU model (it is built with -march=native).
+compiler flags, the CPU model (it is built with -march=native) and the torch build.
 
 Work is split into tasks (column x tile of rows), run by an OpenMP ``parallel for`` with torch's thread
-count. A task first translates its values into ids in its slice of the one workspace (sized by the
-columns' symbolic upper bounds), then gathers / pools the table rows straight into the output's
-[rows, out_off : out_off + dim] block. The hot column signatures (float bucketize, floor-mod,
+count. A task first translates its values into ids (a jagged column in its slice of the one workspace,
+sized by the columns' symbolic upper bounds; a one-value-per-row column in a small per-thread buffer that
+stays in L1), then gathers / pools the table rows straight into the output's [rows, out_off : out_off + dim]
+block; a pooled lookup prefetches the table rows of the ids a few places ahead, across bags. The hot column signatures (float bucketize, floor-mod,
 sigrid_hash, identity; gather or pool; dim 4/8/16/32/64) have their own loops; every other column runs
 the step interpreter.
 """
@@ -117,6 +118,15 @@ int64_t* workspace(int64_t n) {  // one per thread, grown on demand and kept
   thread_local std::vector<int64_t> ws;
   if ((int64_t)ws.size() < n) { ws.clear(); ws.shrink_to_fit(); ws.resize((size_t)n); }
   return ws.data();
+}
+
+// The ids of a one-value-per-row column live only while its task runs: they go to a small buffer of the
+// running thread that every such task reuses (it stays in L1) rather than to the column's own slice of the
+// workspace, which would stream 8 bytes per row and column through the caches on every call.
+int64_t* row_scratch(int64_t n) {
+  thread_local std::vector<int64_t> scratch;
+  if ((int64_t)scratch.size() < n) scratch.resize((size_t)n);
+  return scratch.data();
 }
 
 enum Dtype { DT_I64 = 0, DT_I32, DT_F32, DT_F64, DT_BOOL, DT_U8, DT_I16, DT_I8 };
@@ -332,6 +342,8 @@ inline void report(const Col& c, const Ctx& cx, int64_t col_index, int64_t id) {
   if (*cx.err_col < 0) { *cx.err_col = col_index; *cx.err_id = id; }
 }
 
+constexpr int64_t PREFETCH = 8;  // ids ahead whose table rows a pooled lookup asks the memory for
+
 template <int D>
 inline void copy_row(float* dst, const float* src, int64_t d) {
   if (D > 0) { std::memcpy(dst, src, sizeof(float) * D); } else { std::memcpy(dst, src, sizeof(float) * d); }
@@ -366,6 +378,7 @@ void pool(const Col& c, const Ctx& cx, int64_t col_index, int64_t b0, int64_t b1
   float* out = cx.out + c.out_off;
   const int64_t rows = c.rows;
   const int64_t base = offs[0];
+  const int64_t nids = offs[b1 - b0] - base;  // the tile's ids, translated up front: prefetch across bags
   float acc_fixed[D > 0 ? D : 1];
   std::vector<float> acc_dyn(D > 0 ? 0 : d);
   float* acc = D > 0 ? acc_fixed : acc_dyn.data();
@@ -378,7 +391,13 @@ void pool(const Col& c, const Ctx& cx, int64_t col_index, int64_t b0, int64_t b1
       const int64_t id = ids[k];
       if (id == REMOVED) continue;
       if (c.check && (id < 0 || id >= rows)) { report(c, cx, col_index, id); continue; }
-      if (k + 8 < e && ids[k + 8] >= 0) __builtin_prefetch(w + ids[k + 8] * d);
+      if (k + PREFETCH < nids) {
+        const int64_t ahead = ids[k + PREFETCH];
+        if (ahead >= 0 && ahead < rows) {  // a row of dim > 16 spans two cache lines
+          __builtin_prefetch(w + ahead * d);
+          if (d > 16) __builtin_prefetch(w + ahead * d + 16);
+        }
+      }
       const float* r = w + id * d;
       for (int64_t j = 0; j < d; ++j) acc[j] += r[j];
       ++n;
@@ -396,12 +415,13 @@ template <int D>
 void run_task_d(const Col& c, const Ctx& cx, int64_t col_index, int64_t b0, int64_t b1) {
   int64_t* ws = cx.ws + c.ws_off;
   if (c.in_lengths < 0) {
-    int64_t* ids = ws + b0;
+    const int64_t n = b1 - b0;
+    int64_t* ids = row_scratch(2 * n + 1);
     translate(c, cx, b0, b1, ids);
     if (c.lookup == 0) { gather<D>(c, cx, col_index, b0, b1, ids); return; }
-    std::vector<int64_t> offs(b1 - b0 + 1);  // one candidate per row (a Remove may drop it)
-    for (int64_t k = 0; k <= b1 - b0; ++k) offs[k] = k;
-    pool<D>(c, cx, col_index, b0, b1, ids, offs.data());
+    int64_t* offs = ids + n;  // one candidate per row (a Remove may drop it)
+    for (int64_t k = 0; k <= n; ++k) offs[k] = k;
+    pool<D>(c, cx, col_index, b0, b1, ids, offs);
     return;
   }
   const int64_t* offs = ws + c.nvals;  // offsets[B + 1] after the ids
@@ -646,10 +666,14 @@ def module():
         return _module
     with _lock:
         if _module is None:
+            import torch
             from torch.utils.cpp_extension import load_inline
 
             src = source()
-            key = hashlib.sha256((src + " ".join(CFLAGS) + _cpu_model()).encode()).hexdigest()[:16]
+            # The torch build is part of the key: two checkouts with their own venvs sharing one cache would
+            # otherwise rebuild the same directory in turn (its ninja file names each venv's include paths).
+            toolchain = f"{torch.__version__} {os.path.dirname(torch.__file__)}"
+            key = hashlib.sha256((src + " ".join(CFLAGS) + _cpu_model() + toolchain).encode()).hexdigest()[:16]
             build = cache_dir() / f"recforge_embedding_{key}"
             build.mkdir(parents=True, exist_ok=True)
             _module = load_inline(

@@ -7,6 +7,8 @@ one tensor per feature. They are torch custom ops (torch.library), so torch.comp
 * CUDA: Triton kernels (triton_fused.py) with the feature index as the first program axis, registered when
   triton is importable;
 * fake (meta) implementations give shapes for tracing; the jagged ops have data-dependent sizes.
+`recforge::fused_chain` is the CPU single-pass form: every feature's whole chain per row tile, one call per batch
+(recforge.preprocess.executors.chain builds its program; C++ only).
 Semantics of every op: recforge.preprocess.registry.
 """
 from __future__ import annotations
@@ -224,6 +226,29 @@ def stack_columns(cols: list[Tensor]) -> Tensor:
 @stack_columns.register_fake
 def _(cols):
     return cols[0].new_empty((cols[0].shape[0], len(cols)))
+
+
+@torch.library.custom_op("recforge::fused_chain", mutates_args=())
+def fused_chain(dense_raw: Tensor, dense_valid: Tensor, sparse_raw: Tensor, sparse_valid: Tensor,
+                src_kind: list[int], src_col: list[int], out_kind: list[int], out_slot: list[int],
+                step_offsets: list[int], codes: list[int], f0: list[float], f1: list[float], i0: list[int],
+                i1: list[int], borders: Tensor, table: Tensor, num_dense: int, num_sparse: int) -> list[Tensor]:
+    """Every feature's whole op chain in one pass over row tiles (CPU, C++ only): [dense float32 [B, num_dense],
+    ids int64 [num_sparse * B] key-major]. The program comes from recforge.preprocess.executors.chain."""
+    if dense_raw.device.type != "cpu" or not use_cpp():
+        raise NotImplementedError("recforge::fused_chain runs on CPU with the C++ kernels only "
+                                  f"({cpu_ext.status()}); run the grouped recforge::fused_* ops instead")
+    return list(torch.ops.recforge_cpu.chain(dense_raw, dense_valid, sparse_raw, sparse_valid, src_kind, src_col,
+                                             out_kind, out_slot, step_offsets, codes, f0, f1, i0, i1, borders,
+                                             table, num_dense, num_sparse))
+
+
+@fused_chain.register_fake
+def _(dense_raw, dense_valid, sparse_raw, sparse_valid, src_kind, src_col, out_kind, out_slot, step_offsets, codes,
+      f0, f1, i0, i1, borders, table, num_dense, num_sparse):
+    rows = dense_raw.shape[0]
+    return [dense_raw.new_empty((rows, num_dense), dtype=torch.float32),
+            dense_raw.new_empty((num_sparse * rows,), dtype=torch.int64)]
 
 
 def eager_impl(op) -> Callable:

@@ -66,29 +66,35 @@ def data_validate(
 
 @app.command()
 def preprocess(
-    manifest_dir: Path, plan: Optional[Path] = typer.Option(None, help="plan JSON/YAML; default RAP's Criteo plan"),
+    manifest_dir: Path,
+    plan: str = typer.Option("criteo", help="'criteo' (RAP plan 0 over the manifest's dataset), a preset "
+                                            "(plan0..plan3) or a plan JSON/YAML file"),
+    executor: str = typer.Option("fused", help="eager | fused | dali"),
     table_cap: int = 100_000, batch_size: int = 8192,
 ):
-    """Run a preprocessing plan over a manifest and report throughput."""
+    """Run a preprocessing plan over a manifest with the named executor and report throughput."""
     from recforge.data.manifest import Manifest
     from recforge.data.shards import read_rows
     from recforge.preprocess.batch import RawBatch
-    from recforge.preprocess.executor import TorchExecutor
-    from recforge.preprocess.plan import Plan, criteo_plan
+    from recforge.preprocess.executor import EXECUTORS, make_executor
+    from recforge.preprocess.presets import load_plan
 
+    if executor not in EXECUTORS:
+        raise typer.BadParameter(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
     manifest = Manifest.load(manifest_dir)
-    the_plan = Plan.load(plan) if plan else criteo_plan(manifest.dataset, table_cap)
-    executor = TorchExecutor(the_plan, manifest.dataset)
+    the_plan = load_plan(plan, manifest.dataset, table_cap)
+    run = make_executor(executor, the_plan, manifest.dataset)
     rows, t = 0, time.perf_counter()
     with _progress() as bar:
         task = bar.add_task("preprocess", total=manifest.total_rows)
         for i, shard in enumerate(manifest.shards):
             for start in range(0, shard.rows, batch_size):
                 rb = read_rows(manifest_dir, i, start, min(start + batch_size, shard.rows))
-                dense, kjt = executor(RawBatch.from_arrow(rb, manifest.dataset))
+                dense, kjt = run(RawBatch.from_arrow(rb, manifest.dataset))
                 rows += dense.shape[0]
                 bar.update(task, advance=dense.shape[0])
-    console.print(f"preprocessed {rows:,} rows at {rows / (time.perf_counter() - t):,.0f} rows/s "
+    console.print(f"preprocessed {rows:,} rows with the {executor} executor at "
+                  f"{rows / (time.perf_counter() - t):,.0f} rows/s "
                   f"({len(the_plan.dense_features())} dense, {len(the_plan.tables())} sparse features)")
 
 

@@ -98,7 +98,20 @@ def wide_dataset(num_sparse: int = 400, num_dense: int = 13) -> DatasetConfig:
     )
 
 
-DATASET_PRESETS = {"criteo_kaggle": criteo_kaggle_dataset, "wide400": wide_dataset}
+def _plan_dataset(plan: str):
+    """The schema RAP's plan preset `plan` reads (recforge.preprocess.presets; imported when asked for)."""
+
+    def build() -> DatasetConfig:
+        from recforge.preprocess.presets import preset_dataset
+
+        return preset_dataset(plan)
+
+    return build
+
+
+DATASET_PRESETS = {"criteo_kaggle": criteo_kaggle_dataset, "wide400": wide_dataset,
+                   "criteo_terabyte": _plan_dataset("plan1"), "rap_plan2": _plan_dataset("plan2"),
+                   "rap_plan3": _plan_dataset("plan3")}
 
 
 def dataset_preset(name: str) -> DatasetConfig:
@@ -138,12 +151,36 @@ class TrainConfig(StrictModel):
     lease_timeout_s: float = Field(120.0, gt=0)
 
 
+class DLRoverConfig(StrictModel):
+    """DLRover-RM stages 2/3 while a job trains (resources.policy == "dlrover"); defaults are DLRover's."""
+
+    profile_interval_s: float = Field(5.0, gt=0, description="seconds between throughput samples of the running job")
+    profile_samples: int = Field(3, ge=1, description="samples at a plan before stage 2 acts on it")
+    change_interval_s: float = Field(300.0, ge=0, description="pacing: at least this long between executed changes")
+    min_gain_ratio: float = Field(0.2, gt=0, description="stop growing below this marginal gain ratio")
+    pending_timeout_s: float = Field(600.0, gt=0, description="pods pending this long are relaunched smaller")
+    max_cpu: float | None = Field(None, gt=0, description="the job's total cores (default: this machine's)")
+    max_workers: int | None = Field(None, ge=1, description="the most workers (default: 60, DLRover's cap)")
+    worker_memory_gib: float | None = Field(None, gt=0, description="memory per worker the plan starts from "
+                                            "(default 4 GiB; the pods' request on Kubernetes)")
+
+
 class ResourceConfig(StrictModel):
     workers: int = Field(2, ge=1)
     threads_per_worker: int = Field(1, ge=1)
     backend: Literal["local", "kubernetes"] = "local"
     policy: Literal["static", "dlrover"] = "static"
     max_restarts: int = Field(3, ge=0)
+    dlrover: DLRoverConfig = Field(default_factory=DLRoverConfig)
+
+
+class CorunConfig(StrictModel):
+    """RAP co-running in the training workers (preprocessing: corun; recforge.rap)."""
+
+    threads: int = Field(1, ge=1, description="intra-op threads of each worker's co-run thread (<= threads_per_worker)")
+    stage: Literal["emb_fwd", "mlp_fwd", "mlp_bwd", "emb_bwd", "allreduce"] = Field(
+        "mlp_bwd", description="without a stored stage profile: the training stage every fused kernel starts in")
+    profile_dir: str | None = Field(None, description="stored RAP stage profiles (default $RECFORGE_HOME/rap/profiles)")
 
 
 class PipelineConfig(StrictModel):
@@ -163,6 +200,11 @@ class PipelineConfig(StrictModel):
     preprocess_plan: str = Field(
         "criteo", description="preprocessing plan: 'criteo' (RAP plan 0 over the dataset, tables capped by table_cap), "
         "a preset 'plan0'..'plan3', or a plan file path (.json/.yaml)")
+    preprocessing: Literal["inline", "corun", "offline"] = Field(
+        "inline", description="inline: each worker preprocesses a batch right before its step; corun: RAP, batch "
+        "i+1's fused kernels run inside step i's stages (recforge.rap); offline: the train task preprocesses the "
+        "whole training data first, then trains from it")
+    corun: CorunConfig = Field(default_factory=CorunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     resources: ResourceConfig = Field(default_factory=ResourceConfig)

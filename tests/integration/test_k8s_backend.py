@@ -89,14 +89,16 @@ def api(tmp_path_factory):
 
 class FakeKubelet(threading.Thread):
     """Moves pods of namespace NS through their phases. `fail`: {(launch, index): (exit code, reason)}.
-    `hold`: pods stay Running. `workload(pod) -> exit code`: run while the pod is Running."""
+    `hold`: pods stay Running. `pend`: launches whose pods stay Pending (never scheduled).
+    `workload(pod) -> exit code`: run while the pod is Running."""
 
-    def __init__(self, api, *, fail=None, hold=False, workload=None, step_s=0.1):
+    def __init__(self, api, *, fail=None, hold=False, workload=None, step_s=0.1, pend=()):
         super().__init__(daemon=True, name="fake-kubelet")
         from kubernetes import client
 
         self.core = client.CoreV1Api(api)
         self.fail, self.hold, self.workload, self.step_s = dict(fail or {}), hold, workload, step_s
+        self.pend = set(pend)
         self.stopped = threading.Event()
         self.running: dict[str, threading.Thread] = {}
         self.results: dict[str, int] = {}
@@ -127,7 +129,7 @@ class FakeKubelet(threading.Thread):
         if phase is None:
             self.seen.append(name)
             self._patch(name, {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]})
-        elif phase == "Pending":
+        elif phase == "Pending" and key[0] not in self.pend:
             self._patch(name, {"phase": "Running", "podIP": f"10.1.0.{len(self.seen)}", "containerStatuses": [
                 {"name": "worker", "ready": True, "restartCount": 0, "image": "x", "imageID": "x",
                  "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]})

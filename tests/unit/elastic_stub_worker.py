@@ -6,7 +6,8 @@ master says its epoch is over), the ranks all_reduce "has data" over gloo and st
 any; a task's rows are "consumed" and reported done. Rank 0 writes output_dir/result.json with the
 all_reduced row count. Spec keys: master_url, output_dir, train.epochs, and for failure tests
 `fail` (raise at once with that message), `hang` (never finish) or `crash_rank` (that rank dies hard while holding its
-second task, in the first launch generation only).
+second task, in the first launch generation only); `obey_stop`: after every step rank 0 asks the master
+for its command and the group exits 0 on "stop" (a rescale).
 """
 from __future__ import annotations
 
@@ -58,6 +59,13 @@ def main(spec_path: str) -> None:
                 client.done(task.task_id, task.rows)
             step += 1
             client.heartbeat(step)
+            if spec.get("obey_stop"):  # a rescale: every rank holds nothing now; stop cleanly like the worker
+                stop = torch.tensor([1 if rank == 0 and client.command()["command"] == "stop" else 0])
+                dist.broadcast(stop, 0)
+                if stop.item():
+                    client.close()
+                    dist.destroy_process_group()
+                    return
     total = torch.tensor([rows])
     dist.all_reduce(total)
     if rank == 0:

@@ -45,6 +45,35 @@ def test_same_seed_same_bytes_other_seed_or_day_differs(tmp_path):
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["day_0.tsv", "day_1.tsv"]  # no temp files left
 
 
+def test_first_day_slides_the_window_over_one_hidden_model(tmp_path):
+    base = generate_days(SMALL, tmp_path / "base", days=3, rows_per_day=500, seed=7)
+    later = generate_days(SMALL, tmp_path / "later", days=2, rows_per_day=500, seed=7, first_day=1)
+    assert [Path(f).read_bytes() for f in later.files] == [Path(f).read_bytes() for f in base.files[1:]]
+    assert later.id_space == base.id_space  # same hidden model, other days
+    with pytest.raises(ValueError, match="first_day must be >= 0"):
+        generate_days(SMALL, tmp_path / "bad", days=1, rows_per_day=10, seed=7, first_day=-1)
+    assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
+
+
+def test_daily_dag_runs_draw_the_days_of_their_logical_date():
+    from datetime import datetime, timezone
+
+    from recforge.pipelines.dag_tasks import data_day_of
+
+    class Run:  # the two attributes of an Airflow DagRun that data_day_of reads
+        run_after = datetime(2026, 11, 30, 3, 0, tzinfo=timezone.utc)
+
+    day = datetime(2026, 11, 29, tzinfo=timezone.utc)
+    assert data_day_of({"logical_date": day, "dag_run": Run()}, {"train_days": 2}) == day.date().toordinal() - 2
+    nxt = data_day_of({"logical_date": datetime(2026, 11, 30, tzinfo=timezone.utc), "dag_run": Run()}, {"train_days": 2})
+    assert nxt == day.date().toordinal() - 1  # tomorrow's run: its window slides by one day
+    # a manual run without a logical date (Airflow 3) falls back to run_after; the default train_days applies
+    from recforge.config import PipelineConfig
+
+    manual = data_day_of({"logical_date": None, "dag_run": Run()}, {})
+    assert manual == Run.run_after.date().toordinal() - PipelineConfig().train_days
+
+
 def test_gzip_is_deterministic_and_same_content(tmp_path):
     plain = generate_days(DS, tmp_path / "p", days=1, rows_per_day=2000, seed=1)
     gz1 = generate_days(DS, tmp_path / "g1", days=1, rows_per_day=2000, seed=1, gzip=True)

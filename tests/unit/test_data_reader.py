@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from recforge.config import DatasetConfig, DenseFeature, SparseFeature, criteo_kaggle_dataset
 from recforge.data import reader as reader_mod
 from recforge.data.errors import DataError
 from recforge.data.quarantine import Quarantine
-from recforge.data.reader import parse_line_reference, read_criteo
+from recforge.data.reader import GZIP_MAGIC, parse_line_reference, read_criteo
 from recforge.data.schema import arrow_schema
 
 SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "criteo_kaggle_sample.tsv"
@@ -201,6 +201,21 @@ def test_corrupt_gzip_is_a_data_error(tmp_path):
         read_all(path, qpath=tmp_path / "q.jsonl")
 
 
+def test_gzip_header_without_suffix(tmp_path):
+    """A file named .tsv that starts with gzip's header is read as gzip; a broken one names the file."""
+    good = tmp_path / "day.tsv"
+    good.write_bytes(gzip.compress((GOOD + "\n").encode() * 3))
+    assert read_all(good, qpath=tmp_path / "a.jsonl")[0].num_rows == 3
+    bad = tmp_path / "odd.tsv"
+    bad.write_bytes(GZIP_MAGIC + b"\t1\t2\n" + (GOOD + "\n").encode())
+    with pytest.raises(DataError, match="odd.tsv: corrupt or truncated gzip"):
+        read_all(bad, qpath=tmp_path / "b.jsonl")
+    two_bytes = tmp_path / "two.tsv"  # 1f 8b without the deflate byte is no gzip header: parsed as text rows
+    two_bytes.write_bytes(b"\x1f\x8b\t1\n" + (GOOD + "\n").encode())
+    table, records, _ = read_all(two_bytes, qpath=tmp_path / "c.jsonl")
+    assert table.num_rows == 1 and [r["line"] for r in records] == [1]
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.tsv"):
         list(read_criteo(tmp_path / "nope.tsv", DS, Quarantine(tmp_path / "q.jsonl")))
@@ -224,8 +239,10 @@ line_st = st.one_of(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lines=st.lists(line_st, min_size=1, max_size=30), batch_rows=st.integers(1, 8))
 def test_fast_path_matches_reference(tmp_path, lines, batch_rows):
+    data = b"\n".join(lines) + b"\n"
+    assume(not data.startswith(GZIP_MAGIC))  # such a file is read as gzip: test_gzip_header_without_suffix
     path = tmp_path / "h.tsv"
-    path.write_bytes(b"\n".join(lines) + b"\n")
+    path.write_bytes(data)
     table, records, _ = read_all(path, dataset=TINY, batch_rows=batch_rows, qpath=tmp_path / "q.jsonl")
     expected_rows, expected_bad = [], []
     for i, line in enumerate(lines, start=1):

@@ -42,11 +42,15 @@ def test_scaler_feeds_the_runtime_stage_and_returns_worker_changes():
         want = scaler({"rows_done_total": rows}, running)
         if want is not None:
             decisions.append(want)
-            running = ResourcePlan(want, running.threads_per_worker)
-    assert decisions and decisions[0] > first.workers, [e.reason for e in scaler.events]
+            running = want.plan_after(running)
+            want.report(True, "relaunched")  # what the supervisor does when the relaunch starts
+    assert decisions and decisions[0].workers * (decisions[0].threads_per_worker or 1) > first.workers, \
+        [e.reason for e in scaler.events]
     executed = [e for e in scaler.events if e.executed]
-    assert [e.plan_after["workers"] for e in executed] == decisions
-    assert scaler.plan.workers == running.workers <= limits.max_workers
+    assert [(e.plan_after["workers"], e.plan_after["cpu_per_worker"]) for e in executed] == \
+        [(d.workers, d.threads_per_worker) for d in decisions]
+    assert all("[executed: relaunched]" in e.reason for e in executed)
+    assert scaler.plan.workers == running.workers and running.workers * running.threads_per_worker <= limits.cpu
     assert all(e.stage == "runtime" and e.reason for e in scaler.events)
 
 

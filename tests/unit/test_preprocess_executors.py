@@ -24,7 +24,7 @@ from recforge.preprocess.synth import random_raw_batch, reference_inputs
 from recforge_kernels.reference import sigrid_hash_ref
 
 needs_dali = pytest.mark.skipif(not dali_available(), reason="nvidia-dali not installed")
-EXECUTORS = ["eager", "fused", "fused_greedy", pytest.param("dali", marks=needs_dali)]
+EXECUTORS = ["eager", "fused", "fused_greedy", "fused_grouped", pytest.param("dali", marks=needs_dali)]
 
 DS = DatasetConfig(
     name="small",
@@ -61,6 +61,8 @@ ALL_OPS = Plan.model_validate({"name": "all_ops", "features": [
 def build(name: str, plan: Plan, ds: DatasetConfig) -> Executor:
     if name == "fused_greedy":
         return make_executor("fused", plan, ds, method="greedy")
+    if name == "fused_grouped":  # one call per fused group, never the single-pass form
+        return make_executor("fused", plan, ds, single_pass=False)
     return make_executor(name, plan, ds)
 
 
@@ -180,12 +182,63 @@ def test_plan_that_does_not_fit_names_feature_and_op():
 
 def test_fused_runs_one_call_per_group():
     plan = load_plan("plan0")
-    ex = make_executor("fused", plan, preset_dataset("plan0"))
+    ex = make_executor("fused", plan, preset_dataset("plan0"), single_pass=False)
     ex(random_raw_batch(preset_dataset("plan0"), 8, seed=0))
     # 6 groups; the sparse fill_null group reads the dense matrix (bucketize's I1) and the sparse one (2 calls);
     # firstx(1) of one value per row is a column slice, no call: 6 calls
     assert len(ex.compiled.groups) == 6 and ex.calls == 6
     assert ex.describe()["launches"] == 6 and ex.describe()["executor"] == "fused"
+
+
+# Every op, each feature keeping one value per row: the fused executor's single-pass form runs all of it.
+SCALAR_OPS = Plan.model_validate({"name": "scalar_ops", "features": [
+    f("I1", "dense", "I1", ("fill_null", {"value": 0.5}), ("logit", {"eps": 1e-3}), ("logit", {"eps": 0.2})),
+    f("I2", "dense", "I2", ("fill_null", {}), ("boxcox", {"lambda": 0.25}), ("clamp", {"lo": -2, "hi": 30}),
+      ("boxcox", {"lambda": 0.0})),
+    f("I3", "dense", "I3", ("fill_null", {"value": -1}), ("onehot", {"lo": -4, "hi": 60, "C": 6}), ("ngram", {"n": 3}),
+      ("firstx", {"X": 1})),
+    f("C1oh", "dense", "C1", ("fill_null", {}), ("onehot", {"lo": 0, "hi": 2**40, "C": 3}), ("firstx", {"X": 1})),
+    f("I1f", "dense", "I1", ("fill_null", {}), ("cast", {"to": "id"}), ("cast", {"to": "float"}),
+      ("cast", {"to": "float"}), ("clamp", {"lo": -1e6, "hi": 1e6})),
+    f("C1", "sparse", "C1", ("fill_null", {"value": 3}), ("sigrid_hash", {"salt": 11, "M": 50}),
+      ("ngram", {"n": 2}), ("firstx", {"X": 3})),
+    f("C2", "sparse", "C2", ("fill_null", {}), ("mapid", {"map": [16, 15, 14, 2**40]}), ("clamp", {"lo": 0, "hi": 9})),
+    f("C2h", "sparse", "C2", ("fill_null", {}), ("sigrid_hash", {"M": 7}), ("cast", {"to": "float"}),
+      ("bucketize", {"borders": [0.5, 2.5, 4.0]})),
+    f("I1c", "sparse", "I1", ("fill_null", {}), ("cast", {"to": "id"}), ("clamp", {"lo": 0, "hi": 20})),
+    f("C3", "sparse", "C3", ("fill_null", {}), ("sigrid_hash", {"M": 2**16}), ("sigrid_hash", {"salt": -7, "M": 2**40 + 3}),
+      ("sigrid_hash", {"M": 100_000}), ("clamp", {"lo": 5, "hi": 90_000})),
+    f("C4", "sparse", "C4", ("fill_null", {}), ("sigrid_hash", {"M": 1}), ("firstx", {"X": 1})),
+    f("I2b", "sparse", "I2", ("fill_null", {}), ("bucketize", {"borders": [0.5, 1.0, 1.5]}), table_rows=64),
+]})
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(0, 300), seed=st.integers(0, 10**6), null_rate=st.sampled_from([0.0, 0.3, 1.0]))
+def test_single_pass_matches_reference_and_groups(rows, seed, null_rate):
+    single, grouped = make_executor("fused", SCALAR_OPS, DS), make_executor("fused", SCALAR_OPS, DS, single_pass=False)
+    raw = random_raw_batch(DS, rows, seed=seed, null_rate=null_rate, extreme_rate=0.2)
+    assert_matches_reference(SCALAR_OPS, DS, raw, single)
+    assert single.calls == 1 and "scalar column" in single.describe()["single_pass"]
+    (d1, k1), (d2, k2) = single(raw), grouped(raw)
+    assert grouped.calls > 1
+    torch.testing.assert_close(d1, d2, rtol=0, atol=0, equal_nan=True)  # the same per-value code: bit-identical
+    assert torch.equal(k1.values(), k2.values()) and torch.equal(k1.lengths(), k2.lengths())
+
+
+def test_single_pass_steps_aside_for_lists_and_wide_rows():
+    # every valid plan keeps one value per row on scalar columns (ngram / firstx of one value, onehot cut by
+    # firstx(1)); list columns in the batch are what sends it to the groups
+    ex = make_executor("fused", LIST_PLAN, DS)
+    ex(random_raw_batch(DS, 7, seed=1))
+    assert ex.calls == 1
+    ex(random_raw_batch(DS, 7, seed=1, list_columns=("C2",)))
+    assert ex.calls > 1
+    ex = make_executor("fused", SCALAR_OPS, DS)
+    raw = random_raw_batch(DS, 20, seed=4, list_columns=("C2",))  # a list column: the groups run, one call each
+    assert_matches_reference(SCALAR_OPS, DS, raw, ex)
+    assert ex.calls > 1
+    assert make_executor("fused", SCALAR_OPS, DS, single_pass=False).describe()["single_pass"].startswith("off")
 
 
 @needs_dali
@@ -207,3 +260,26 @@ def test_module_executor_refuses_list_columns():
     raw = random_raw_batch(preset_dataset("plan0"), 4, seed=0, list_columns=("C1",))
     with pytest.raises(ValueError, match=r"list columns \['C1'\]"):
         ex(raw)
+
+
+def test_fused_chain_op_checks_its_program_and_has_a_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from recforge.preprocess.executors.chain import chain_program
+    from recforge_kernels.fused import fused_chain
+
+    prog = chain_program(SCALAR_OPS, DS)
+    raw = random_raw_batch(DS, 9, seed=0)
+    args = [raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid, prog.src_kind, prog.src_col, prog.out_kind,
+            prog.out_slot, prog.step_offsets, prog.codes, prog.f0, prog.f1, prog.i0, prog.i1, prog.borders,
+            prog.table, prog.num_dense, prog.num_sparse]
+    dense, ids = fused_chain(*args)
+    assert dense.shape == (9, prog.num_dense) and ids.shape == (9 * prog.num_sparse,)
+    bad = list(args)
+    bad[5] = [99] + prog.src_col[1:]
+    with pytest.raises(RuntimeError, match="feature 0 reads column 99"):
+        fused_chain(*bad)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        d, i = fused_chain(*fake)
+    assert d.shape == dense.shape and i.shape == ids.shape and d.dtype == torch.float32

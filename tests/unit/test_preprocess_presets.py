@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from recforge.config import CRITEO_KAGGLE_CARDINALITIES, criteo_kaggle_dataset
 from recforge.preprocess.plan import Plan, PlanError
@@ -93,3 +94,52 @@ def test_run_params_name_executor_plan_groups_and_dali_fallbacks():
     fused, _ = preprocess_params(load_plan("plan0", preset_dataset("plan0")), preset_dataset("plan0"), "fused", "plan0")
     assert "preprocess_dali_fallback" not in fused and fused["preprocess_compiler"].startswith("milp (optimal")
     assert all(len(str(v)) <= 6000 for v in params.values())  # MLflow's limit
+
+
+@pytest.mark.parametrize("preset,plan_name", [("rap_plan2", "plan2"), ("rap_plan3", "plan3")])
+def test_plan_2_and_3_datasets_are_pipeline_presets_over_generated_data(tmp_path, preset, plan_name):
+    """generate -> ingest -> read a shard -> the plan (with the pipeline's table cap) on every executor path."""
+    from recforge.config import PipelineConfig, dataset_preset
+    from recforge.data.generator import generate_days
+    from recforge.data.ingest import ingest
+    from recforge.data.shards import read_rows
+    from recforge.preprocess.batch import RawBatch
+    from recforge.preprocess.executor import make_executor
+
+    cfg = PipelineConfig(dataset_preset=preset, preprocess_plan=plan_name)
+    ds = cfg.dataset()
+    assert ds == preset_dataset(plan_name) == dataset_preset(preset)
+    generate_days(ds, tmp_path / "raw", days=1, rows_per_day=300, seed=1)
+    manifest = ingest(sorted((tmp_path / "raw").glob("day_*")), ds, tmp_path / "shards", rows_per_shard=200,
+                      max_bad_fraction=0.0)
+    assert manifest.total_rows == 300
+    raw = RawBatch.from_arrow(read_rows(tmp_path / "shards", 0, 0, 150), ds)
+    plan = load_plan(cfg.preprocess_plan, ds, cfg.table_cap)
+    outs = [make_executor(name, plan, ds, **opts)(raw) for name, opts in
+            (("eager", {}), ("fused", {}), ("fused", {"single_pass": False}))]
+    for dense, kjt in outs[1:]:
+        assert torch.equal(dense, outs[0][0]) or torch.allclose(dense, outs[0][0], rtol=1e-6, atol=0, equal_nan=True)
+        assert torch.equal(kjt.values(), outs[0][1].values()) and kjt.keys() == plan.sparse_features()
+    dense, kjt = outs[1]
+    assert dense.shape == (150, len(plan.dense_features())) and kjt.lengths().eq(1).all()
+    for name, rows in plan.tables():
+        ids = kjt[name].values()
+        assert ((ids >= 0) & (ids < rows)).all(), name
+
+
+@pytest.mark.parametrize("name", ["plan2", "plan3"])
+def test_recom_proves_one_id_per_row_for_plans_without_firstx(name):
+    """RECom's gather form needs one id per row; plans 2-3 hash / clamp some features without firstx. Over
+    PreprocessModule's scalar columns that still holds; over an executor's possible list columns it does not."""
+    from recforge.preprocess.module import PreprocessModule
+    from recforge.recom.errors import NotOneHotError
+    from recforge.recom.onehot import prove_one_hot
+
+    ds = preset_dataset(name)
+    plan = load_plan(name, ds)
+    module = PreprocessModule(plan, ds)
+    proofs = prove_one_hot(plan, plan.sparse_features(), scalar_sources=module.scalar_sources)
+    assert sorted(proofs) == sorted(plan.sparse_features())
+    assert "scalar source column" in proofs["C1"] and "firstx(1)" in proofs[plan.sparse_features()[-1]]
+    with pytest.raises(NotOneHotError, match="'C1': its plan has no firstx"):
+        prove_one_hot(plan, ["C1"])

@@ -51,3 +51,32 @@ def test_too_short_jagged_example_is_an_error():
     f[name + "_lengths"] = torch.tensor([1, 0, 0, 0])
     with pytest.raises(CaptureError, match="at least 2"):
         capture(m, (f,))
+
+
+class _BranchesOnOneRow(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+
+    def forward(self, x):
+        out = self.emb(x)
+        return out * 2 if out.shape[0] == 1 else out
+
+
+def test_size_oblivious_capture_keeps_the_graph_and_refuses_a_branch_on_one_row():
+    import recforge.recom as recom
+    from recforge.recom import CompileMismatchError
+
+    m = small_model(multi_hot=0, large_multi_hot=0)
+    f = make_features(m, 5, seed=0)
+    fast, plain = capture(m, (f,)), capture(m, (f,), size_oblivious=False)
+    assert str(fast.program.graph) == str(plain.program.graph)
+    assert fast.program.range_constraints.keys() == plain.program.range_constraints.keys()
+    one = make_features(m, 1, seed=2)
+    torch.testing.assert_close(fast.program.module()(one), eager(m, one), rtol=0, atol=0)
+
+    branchy, x = _BranchesOnOneRow().eval(), torch.tensor([1, 2, 3])
+    with pytest.raises(Exception, match="Constraints violated"):  # the branch on batch == 1 is seen
+        capture(branchy, (x,))
+    with pytest.warns(UserWarning), pytest.raises(CompileMismatchError, match="batch of 1 rows"):
+        recom.compile(branchy, (x,), backend="export", size_oblivious=False)  # the one-row check sees it

@@ -110,6 +110,53 @@ def test_ids_out_of_range_raise_index_error_as_eager():
         c(bad)
 
 
+class _RawBag(nn.Module):
+    """A pooled lookup of raw ids (no hash, no guard): nothing proves them inside the table."""
+
+    def __init__(self, rows: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(rows, dim))
+
+    def forward(self, values, lengths):
+        return nn.functional.embedding_bag(values, self.weight, torch.cumsum(lengths, 0) - lengths, mode="sum")
+
+
+class _RawModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag, self.emb = _RawBag(6, 4), nn.Embedding(5, 3)
+
+    def forward(self, values, lengths, x):
+        return torch.cat([self.bag(values, lengths), self.emb(x)], dim=1)
+
+
+def test_pooled_and_gathered_ids_out_of_range_fail_as_eager():
+    torch.manual_seed(0)
+    m = _RawModel().eval()
+    good = (torch.tensor([0, 5, 2, 3]), torch.tensor([2, 0, 2]), torch.tensor([1, 2, 4]))
+    c = recom.compile(m, good, backend="export")
+    assert sorted(c.metadata["recom"]["plan"]["bounds_checked_columns"]) == ["bag.weight", "emb.weight"]
+    assert check_against_eager(c, m, good) == 0.0
+    bag_bad = (torch.tensor([0, 6, 2, 3, 1]), torch.tensor([2, 0, 3]), torch.tensor([1, 2, 4]))
+    with pytest.raises(RuntimeError):  # eager's embedding_bag
+        m(*bag_bad)
+    with pytest.raises(RuntimeError, match="id 6 outside its table of 6 rows.*'bag.weight'"):
+        c(*bag_bad)
+    emb_bad = (torch.tensor([0, 1, 2, 3]), torch.tensor([2, 0, 2]), torch.tensor([1, -1, 4]))
+    with pytest.raises(IndexError):  # eager's embedding
+        m(*emb_bad)
+    with pytest.raises(IndexError, match="id -1 outside its table of 5 rows.*'emb.weight'"):
+        c(*emb_bad)
+    assert check_against_eager(c, m, good) == 0.0  # a failed call leaves nothing behind
+
+
+def test_batches_and_bags_far_beyond_the_example(model_pair):
+    m, c = model_pair  # compiled on 8 rows of at most 10 ids
+    f = make_features(m, 300, seed=8, max_bag=60, empty_rate=0.05)
+    assert max(int(v.max()) for k, v in f.items() if k.endswith("_lengths")) > 40
+    assert check_against_eager(c, m, (f,), atol=1e-5) <= 1e-5
+
+
 def test_save_load_round_trip(model_pair, tmp_path):
     m, c = model_pair
     path = c.save(tmp_path / "a" / "model.recom")

@@ -75,11 +75,18 @@ def test_refuses_firstx_other_than_one(x):
         inf.to_gather_form()
 
 
-def test_refuses_without_firstx():
+def test_without_firstx_one_hot_only_from_scalar_sources():
     ds = small_dataset()
-    inf = build_inference("dlrm", dataset=ds, plan=plan_with_firstx(ds, None))
-    with pytest.raises(NotOneHotError, match="no firstx op"):
-        inf.lowered()
+    plan = plan_with_firstx(ds, None)
+    names = [f.name for f in ds.sparse]
+    with pytest.raises(NotOneHotError, match="no firstx op"):  # a source that may hold many ids per row
+        prove_one_hot(plan, names)
+    assert all("scalar source" in p for p in prove_one_hot(plan, names, scalar_sources=True).values())
+    inf = build_inference("dlrm", dataset=ds, plan=plan)  # PreprocessModule reads one value per row
+    assert PreprocessModule.scalar_sources
+    inputs = raw_batch(ds, 9, seed=2)
+    with torch.no_grad():
+        torch.testing.assert_close(inf.lowered()(*inputs), inf(*inputs), rtol=0, atol=1e-6)
 
 
 def test_refuses_when_preprocessing_has_no_plan():

@@ -228,8 +228,14 @@ def generate_days(
     seed: int,
     gzip: bool = False,
     cardinality_scale: float | None = None,
+    first_day: int = 0,
 ) -> GeneratorReport:
-    """Write out_dir/day_0.tsv .. day_{days-1}.tsv (".tsv.gz" with gzip), each via temp file + rename."""
+    """Write out_dir/day_0.tsv .. day_{days-1}.tsv (".tsv.gz" with gzip), each via temp file + rename.
+
+    The hidden model depends on `seed` only; file i holds the rows of calendar day `first_day + i`, so runs for
+    consecutive dates share the model and overlap in the days they draw (a sliding window of a daily stream)."""
+    if first_day < 0:
+        raise ValueError(f"generate_days: first_day must be >= 0, got {first_day}")
     if days < 1:
         raise ValueError(f"generate_days: days must be >= 1, got {days}")
     if rows_per_day < 1:
@@ -243,7 +249,7 @@ def generate_days(
     model = _build_model(dataset, seed, cardinality_scale)
     files, rates, aucs = [], [], []
     for day in range(days):
-        rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(1, day)))
+        rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(1, first_day + day)))
         path = out_dir / (f"day_{day}.tsv" + (".gz" if gzip else ""))
         tmp = out_dir / f".{path.name}.tmp-{os.getpid()}"
         probs, labels_all = [], []

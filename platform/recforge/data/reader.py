@@ -31,7 +31,7 @@ from recforge.data.errors import DataError
 from recforge.data.quarantine import Quarantine
 from recforge.data.schema import arrow_schema, column_names, empty_batch
 
-GZIP_MAGIC = b"\x1f\x8b"
+GZIP_MAGIC = b"\x1f\x8b\x08"  # gzip magic + deflate, the only method gzip defines
 BLOCK_BYTES = 8 << 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_HEX_DIGITS = 8
@@ -109,11 +109,13 @@ def parse_line_reference(raw: bytes, dataset: DatasetConfig) -> tuple[list[int |
 
 
 def is_gzip(path: str | Path) -> bool:
+    """A ".gz" name, or a file that starts with gzip's header: such a file is read as gzip (a text row
+    cannot start with the control bytes 1f 8b), and a broken one is a DataError naming the file."""
     path = Path(path)
     if path.suffix == ".gz":
         return True
     with open(path, "rb") as fh:
-        return fh.read(2) == GZIP_MAGIC
+        return fh.read(len(GZIP_MAGIC)) == GZIP_MAGIC
 
 
 class _RawInput:

@@ -105,8 +105,8 @@ def run_training_job(
     (with the log's tail), and so does a clean exit that left data unconsumed. Without `resume` the
     step checkpoints of an earlier run (spec["recovery"], recforge.train.recovery_spec) go too.
     `failover`: default FailoverPolicy(max_relaunches=resources.max_restarts). `scaler`: called with
-    the master's state while the group runs; a different worker count triggers a rescale (default
-    with a DLRoverPolicy: its stage 2, recforge.elastic.dlrover_scaler).
+    the master's state while the group runs; a different worker count or a `supervisor.Rescale` triggers a
+    relaunch (default with a DLRoverPolicy: its stages 2 and 3, recforge.elastic.dlrover_scaler).
     `max_workers`: the largest scale request the master accepts (default: this machine's cores for
     the local backend, none otherwise).
     """
@@ -148,7 +148,8 @@ def run_training_job(
     if scaler is None and getattr(policy, "warm", None) is not None and hasattr(policy, "runtime"):
         from recforge.elastic.dlrover_scaler import DLRoverScaler
 
-        scaler = DLRoverScaler(policy)
+        scaler = DLRoverScaler(policy, memory_action="more_memory" if hasattr(backend, "grow_memory") else "accumulate")
+    poll_s = min(poll_s, float(getattr(scaler, "min_interval_s", poll_s)))  # a profiler polls at its own pace
     bind, advertise = getattr(backend, "master_hosts", ("127.0.0.1", "127.0.0.1"))
     master = JobMaster(
         shard_rows, rows_per_task=rows_per_task, epochs=epochs, state_file=state_file,

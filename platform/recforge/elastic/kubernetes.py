@@ -56,6 +56,7 @@ class K8sHandle:
     reasons: dict[str, str] = field(default_factory=dict)
     exit_code: int | None = None
     log_path: Path | None = None
+    launched_at: float = field(default_factory=time.monotonic)
 
     @property
     def failed(self) -> list[str]:
@@ -185,6 +186,13 @@ class KubernetesBackend:
         return "\n".join(out)
 
     # ---- beyond the protocol ------------------------------------------------------------------
+    def pending_s(self, handle: K8sHandle) -> float:
+        """Seconds since the launch while any of its pods is still Pending (0 once all left Pending);
+        the phases are the ones `wait` saw last."""
+        if any(handle.phases.get(p, "Pending") == "Pending" for p in handle.pods):
+            return time.monotonic() - handle.launched_at
+        return 0.0
+
     def grow_memory(self, factor: float) -> str:
         """Raise the memory of the next launch's pods (the failover policy's OOM answer)."""
         self.memory = memory_quantity(memory_bytes(self.memory) * factor)

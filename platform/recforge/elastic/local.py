@@ -139,6 +139,24 @@ class LocalBackend:
                 _kill_when_alive(p, deadline)
         self._finish(handle, handle.proc.returncode)
 
+    def worker_memory(self, handle: LocalHandle) -> list[float]:
+        """Resident memory (bytes) of each worker process, by rank where the process says it (RANK)."""
+        import psutil
+
+        out = []
+        try:
+            children = psutil.Process(handle.proc.pid).children()  # torchrun's own children are the ranks
+        except psutil.NoSuchProcess:
+            return []
+        for p in children:
+            try:
+                rank = p.environ().get("RANK")
+                if rank is not None:
+                    out.append((int(rank), float(p.memory_info().rss)))
+            except (psutil.Error, ValueError):
+                continue
+        return [rss for _, rss in sorted(out)]
+
     def log_tail(self, handle: LocalHandle) -> str:
         try:
             with open(handle.log_path, "rb") as f:

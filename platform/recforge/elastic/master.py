@@ -92,48 +92,38 @@ class WorkerStats:
     generation: int = 0
 
 
-class LeaseRequest(BaseModel):
+class WorkerCall(BaseModel):
+    """Who calls: every worker call names its id and its launch generation (POST /join, /command)."""
+
     worker_id: str = Field(min_length=1)
-    epoch: int | None = None
     generation: int = Field(0, ge=0)
+
+
+class LeaseRequest(WorkerCall):
+    epoch: int | None = None
     request_id: str | None = None
 
 
-class DoneRequest(BaseModel):
-    worker_id: str = Field(min_length=1)
+class DoneRequest(WorkerCall):
     task_id: str
     samples: int = Field(ge=0)
-    generation: int = Field(0, ge=0)
 
 
-class ReleaseRequest(BaseModel):
-    worker_id: str = Field(min_length=1)
+class ReleaseRequest(WorkerCall):
     task_id: str
     rows_consumed: int = Field(ge=0)
-    generation: int = Field(0, ge=0)
 
 
-class HeartbeatRequest(BaseModel):
-    worker_id: str = Field(min_length=1)
+class HeartbeatRequest(WorkerCall):
     step: int = Field(ge=0)
-    generation: int = Field(0, ge=0)
     held: list[str] | None = None
 
 
-class JoinRequest(BaseModel):
-    worker_id: str = Field(min_length=1)
-    generation: int = Field(0, ge=0)
-
-
-class SnapshotRequest(BaseModel):
-    worker_id: str = Field(min_length=1)
-    generation: int = Field(0, ge=0)
+class SnapshotRequest(WorkerCall):
     progress: dict[str, int] = Field(default_factory=dict)
 
 
-class RestoreRequest(BaseModel):
-    worker_id: str = Field(min_length=1)
-    generation: int = Field(0, ge=0)
+class RestoreRequest(WorkerCall):
     state: dict[str, Any] | None = None
     reason: str = ""
 
@@ -141,11 +131,6 @@ class RestoreRequest(BaseModel):
 class ScaleRequest(BaseModel):
     workers: int
     reason: str = ""
-
-
-class CommandRequest(BaseModel):
-    worker_id: str = Field(min_length=1)
-    generation: int = Field(0, ge=0)
 
 
 class RecoverRequest(BaseModel):
@@ -285,32 +270,28 @@ class JobMaster:
             return grant
 
     def done(self, worker_id: str, task_id: str, samples: int, generation: int = 0) -> Outcome:
-        with self._lock:
-            self._housekeeping(worker_id, generation)
-            out = self.queue.done(task_id, worker_id)
-            stats = self.workers[worker_id]
-            if out is Outcome.ACCEPTED:
-                stats.tasks_done += 1
-                stats.samples += samples
-                self._progress()
-            elif not out.ok:
-                stats.rejected += 1
-                log.warning("done(%s) from %s rejected: %s", task_id, worker_id, out.value)
-            self._persist()
-            return out
+        return self._report("done", worker_id, generation, task_id, samples)
 
     def release(self, worker_id: str, task_id: str, rows_consumed: int, generation: int = 0) -> Outcome:
+        return self._report("release", worker_id, generation, task_id, rows_consumed)
+
+    def _report(self, kind: str, worker_id: str, generation: int, task_id: str, rows: int) -> Outcome:
+        """A task finished (`done`, its `rows` trained) or handed back with `rows` of it trained (`release`)."""
         with self._lock:
             self._housekeeping(worker_id, generation)
-            out = self.queue.release(task_id, worker_id, rows_consumed)
+            out = (self.queue.done(task_id, worker_id) if kind == "done"
+                   else self.queue.release(task_id, worker_id, rows))
             stats = self.workers[worker_id]
             if out is Outcome.ACCEPTED:
-                stats.releases += 1
-                stats.samples += rows_consumed
+                if kind == "done":
+                    stats.tasks_done += 1
+                else:
+                    stats.releases += 1
+                stats.samples += rows
                 self._progress()
             elif not out.ok:
                 stats.rejected += 1
-                log.warning("release(%s) from %s rejected: %s", task_id, worker_id, out.value)
+                log.warning("%s(%s) from %s rejected: %s", kind, task_id, worker_id, out.value)
             self._persist()
             return out
 
@@ -356,11 +337,7 @@ class JobMaster:
         with self._lock:
             self._housekeeping(worker_id, generation, register=True)
             before = self.queue.summary()
-            fresh = TaskQueue(
-                self.queue.shard_rows, self.queue.rows_per_task, self.queue.epochs,
-                lease_timeout_s=self.queue.lease_timeout_s, max_retries=self.queue.max_retries,
-                shuffle_seed=self.queue.shuffle_seed,
-            )
+            fresh = self.queue.restarted()
             queue = fresh if state is None else self._checked_queue(TaskQueue.from_dict(state), fresh, "restore")
             queue.lease_timeout_s, queue.max_retries = fresh.lease_timeout_s, fresh.max_retries
             queue.recover(None)  # a checkpoint's state has no lease in flight (TaskQueue.snapshot); be safe anyway
@@ -550,33 +527,24 @@ class JobMaster:
             return {"renewed": renewed, "lost": lost}
 
         @app.post("/join")
-        def _join(req: JoinRequest) -> dict[str, Any]:
+        def _join(req: WorkerCall) -> dict[str, Any]:
             return self.join(req.worker_id, req.generation)
 
         @app.post("/snapshot")
         def _snapshot(req: SnapshotRequest) -> dict[str, Any]:
-            try:
-                return self.snapshot(req.worker_id, req.generation, req.progress)
-            except MasterRejection:
-                raise
-            except ValueError as e:
-                raise MasterRejection(str(e)) from e
+            return _rejecting(lambda: self.snapshot(req.worker_id, req.generation, req.progress), "", (ValueError,))
 
         @app.post("/restore")
         def _restore(req: RestoreRequest) -> dict[str, Any]:
-            try:
-                return self.restore(req.worker_id, req.generation, req.state, req.reason)
-            except MasterRejection:
-                raise
-            except (ValueError, KeyError, TypeError) as e:
-                raise MasterRejection(f"restore: bad data state: {e}") from e
+            return _rejecting(lambda: self.restore(req.worker_id, req.generation, req.state, req.reason),
+                              "restore: bad data state: ", (ValueError, KeyError, TypeError))
 
         @app.post("/scale")
         def _scale(req: ScaleRequest) -> dict[str, Any]:
             return self.request_scale(req.workers, req.reason)
 
         @app.post("/command")
-        def _command(req: CommandRequest) -> dict[str, Any]:
+        def _command(req: WorkerCall) -> dict[str, Any]:
             return self.command(req.worker_id, req.generation)
 
         @app.post("/recover")
@@ -589,3 +557,13 @@ class JobMaster:
             return self.state()
 
         return app
+
+
+def _rejecting(call: Callable[[], Any], prefix: str, errors: tuple[type[Exception], ...]) -> Any:
+    """Run an endpoint's operation; bad input it raises (`errors`) becomes a MasterRejection (HTTP 400)."""
+    try:
+        return call()
+    except MasterRejection:
+        raise
+    except errors as e:
+        raise MasterRejection(f"{prefix}{e}") from e

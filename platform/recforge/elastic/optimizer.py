@@ -9,7 +9,7 @@
   the marginal gain ratio (dTheta/dcost) / (Theta/cost) stays >= `min_gain_ratio` (DLRover: 0.2) and
   the plan fits the limits; shrink when a unit's removal loses less than `shrink_ratio`; never change
   more often than `interval_s` (servers: `server_interval_s`).
-- Stage 3 `InstabilityStage`: a straggler (step time > 2x the median) is relaunched elsewhere; a hot
+- Stage 3 `InstabilityStage`: a straggler (step time > 2x the median of the other workers) is relaunched elsewhere; a hot
   server (CPU >= 0.9 over the last 3 samples, or shard load > 2x the median) gets more cores; predicted
   memory exhaustion or an OOM relaunches with more memory (double, at most +8 GiB a step, 64 GiB cap);
   a job pending past `pending_timeout_s` is relaunched smaller.
@@ -642,10 +642,14 @@ class InstabilityStage:
         times = [t for t in obs.worker_step_s if t and t > 0]
         if len(times) >= 2:
             med = statistics.median(times)
-            slow = [i for i, t in enumerate(obs.worker_step_s) if t and t > self.cfg.straggler_factor * med]
+            # against the median of the *other* workers: with two workers the median of all is their mean,
+            # which no step time can exceed twice
+            slow = [i for i, t in enumerate(obs.worker_step_s) if t and t > self.cfg.straggler_factor * statistics.median(
+                [u for j, u in enumerate(obs.worker_step_s) if j != i and u and u > 0] or [t])]
             if slow:
                 events.append(Event("instability", "replace_straggler",
-                                    f"worker(s) {slow} step time > {self.cfg.straggler_factor}x the median {med:.3g}s: relaunch them on other nodes",
+                                    f"worker(s) {slow} step time > {self.cfg.straggler_factor}x the median of the other "
+                                    f"workers (all: {med:.3g}s): relaunch them on other nodes",
                                     inputs={"worker_step_s": list(obs.worker_step_s), "median_s": med},
                                     prediction={"samples_per_s_recovered_fraction": len(slow) / len(times)},
                                     plan_before=plan.to_dict(), plan_after=plan.to_dict(), time_s=obs.time_s))
@@ -760,6 +764,28 @@ class DLRoverPolicy:
         self.events: list[Event] = []
         self.warm: WarmStart | None = None
         self.job: JobDescription | None = None
+        self._restored = False
+
+    @classmethod
+    def from_stage1(cls, state: Mapping[str, Any], config: OptimizerConfig = OptimizerConfig()) -> "DLRoverPolicy":
+        """The policy as the plan task left it (`pipeline_plan(...)["state"]`, JSON): `plan()` returns
+        that plan without running stage 1 again. A state that cannot be read raises ValueError naming
+        what is wrong (callers fall back to the plan without stages 2/3)."""
+        try:
+            j = state["job"]
+            plan = JobPlan.from_dict(state["plan"])
+            limits = JobLimits(**state["limits"])
+            prior = ThroughputModel.from_dict(state["prior"]) if state.get("prior") else None
+            memory = MemoryModel.from_dict(state["memory"]) if state.get("memory") else DEFAULT_MEMORY_MODEL
+            job = JobDescription(str(j["dataset"]), str(j["model_family"]), plan, total_samples=float(j["total_samples"]),
+                                 table_bytes=[float(b) for b in state.get("table_bytes") or []],
+                                 host_cores=None if j.get("host_cores") is None else float(j["host_cores"]))
+        except Exception as e:
+            raise ValueError(f"DLRover stage 1 state unreadable ({type(e).__name__}: {e})") from e
+        limits.check()
+        policy = cls(limits=limits, config=config, default_model=prior)
+        policy.job, policy.warm, policy._restored = job, WarmStart(plan, [], prior, memory), True
+        return policy
 
     def describe(self, job: JobInfo) -> tuple[JobDescription, JobLimits]:
         x = dict(job.extra or {})
@@ -780,6 +806,8 @@ class DLRoverPolicy:
         return desc, limits
 
     def plan(self, job: JobInfo) -> ResourcePlan:
+        if self._restored and self.warm is not None:
+            return self.warm.plan.to_resource_plan()
         desc, limits = self.describe(job)
         self.job, self.limits = desc, limits
         self.warm = warm_start(desc, self.history, limits, self.config, self.default_model)
@@ -826,18 +854,44 @@ def table_bytes(tables: Sequence[Sequence], embedding_dim: int, bytes_per_value:
     return [float(int(rows) * embedding_dim * bytes_per_value) for _, rows in tables]
 
 
+def pipeline_limits(max_cpu: float | None = None, max_workers: int | None = None) -> JobLimits:
+    """This machine's limits, narrowed by the pipeline's resources.dlrover settings; limits that cannot
+    hold one worker raise ResourceLimitError naming the setting."""
+    machine = JobLimits.of_this_machine()
+    cpu = float(max_cpu) if max_cpu is not None else machine.cpu
+    limits = replace(machine, cpu=cpu, max_cpu_per_worker=max(1.0, min(machine.max_cpu_per_worker, cpu)),
+                     max_workers=int(max_workers) if max_workers is not None else machine.max_workers)
+    try:
+        limits.check()
+    except ResourceLimitError as e:
+        raise ResourceLimitError(f"resources.dlrover (max_cpu={max_cpu}, max_workers={max_workers}): {e}") from e
+    return limits
+
+
+def optimizer_config(settings: Any = None) -> OptimizerConfig:
+    """OptimizerConfig from the pipeline's resources.dlrover (recforge.config.DLRoverConfig); None: defaults."""
+    if settings is None:
+        return OptimizerConfig()
+    return replace(OptimizerConfig(), profile_samples=int(settings.profile_samples),
+                   interval_s=float(settings.change_interval_s), min_gain_ratio=float(settings.min_gain_ratio),
+                   pending_timeout_s=float(settings.pending_timeout_s))
+
+
 def pipeline_plan(resources, *, dataset: str, model_family: str, batch_size: int, total_rows: int,
                   tables: Sequence[Sequence], embedding_dim: int, history: History | None,
-                  limits: JobLimits | None = None) -> dict[str, Any]:
+                  limits: JobLimits | None = None, memory_per_worker: float | None = None,
+                  config: OptimizerConfig = OptimizerConfig(), epochs: int = 1) -> dict[str, Any]:
     """Stage 1 for one training job of the daily pipeline: the plan, its events, and the state the
-    train task needs to make stage 2/3 recommendations afterwards (JSON-able)."""
-    policy = DLRoverPolicy(history, limits, default_model=local_default_model())
-    info = JobInfo(shard_rows=[int(total_rows)], epochs=1, rows_per_task=batch_size, resources=resources,
-                   extra={"dataset": dataset, "model_family": model_family, "batch_size": batch_size,
-                          "table_bytes": table_bytes(tables, embedding_dim), "total_samples": float(total_rows)})
+    train task runs stages 2/3 from (JSON-able; `DLRoverPolicy.from_stage1`)."""
+    policy = DLRoverPolicy(history, limits, config=config, default_model=local_default_model())
+    extra = {"dataset": dataset, "model_family": model_family, "batch_size": batch_size,
+             "table_bytes": table_bytes(tables, embedding_dim), "total_samples": float(total_rows) * epochs}
+    if memory_per_worker is not None:
+        extra["memory_per_worker"] = float(memory_per_worker)
+    info = JobInfo(shard_rows=[int(total_rows)], epochs=epochs, rows_per_task=batch_size, resources=resources, extra=extra)
     rp = policy.plan(info)
     w = policy.warm
-    state = {"job": {"dataset": dataset, "model_family": model_family, "total_samples": float(total_rows),
+    state = {"job": {"dataset": dataset, "model_family": model_family, "total_samples": float(total_rows) * epochs,
                      "host_cores": policy.job.host_cores, "batch_size": batch_size},
              "limits": dict(policy.limits.__dict__), "plan": w.plan.to_dict(),
              "prior": w.prior.to_dict() if w.prior is not None else None, "memory": w.memory.to_dict(),

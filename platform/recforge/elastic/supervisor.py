@@ -8,7 +8,13 @@ DLRover-RM runtime stage, or a POST /scale to the master) and for the overall ti
 exits:
 * finished (the master handed out every row of every epoch): done;
 * exit 0 with a pending scale request (the group checkpointed and stopped): relaunch at the new size;
-  the new group loads the checkpoint resharded;
+  the new group loads the checkpoint resharded. A scaler may return a `Rescale` instead of a worker
+  count: new threads per worker, a halved per-rank micro-batch (gradient accumulation: the local
+  answer to predicted memory exhaustion), more pod memory (Kubernetes), a relaunch at the same size
+  (replacing a straggler), or an immediate relaunch (a group whose pods never left Pending: nothing
+  to checkpoint, it is killed and relaunched smaller). The scaler sees the master's state plus
+  `state["launch"]`: seconds since the launch, seconds pending, the workers' resident memory and the
+  gradient accumulation, as far as the backend can tell (`pending_s`, `worker_memory`);
 * failed: the flash agent persists what is in shared memory, the failure (worker exception records,
   exit code, hang) goes to the FailoverPolicy: relaunch (maybe with more gradient accumulation or
   memory) or give up with a JobFailedError naming the reason and the progress kept.
@@ -30,8 +36,37 @@ log = logging.getLogger(__name__)
 
 # (generation_base, grad_accumulation, plan) -> the worker spec path for this launch
 SpecWriter = Callable[[int, int, ResourcePlan], Path]
-# (master state, the plan the group runs) -> desired number of workers (None: keep)
-Scaler = Callable[[dict[str, Any], ResourcePlan], int | None]
+
+
+@dataclass
+class Rescale:
+    """A scaler's decision beyond a worker count. `on_applied(applied, note)` is called once: with True
+    when the relaunch carrying it starts, with False and the reason when it cannot be carried out."""
+
+    workers: int
+    threads_per_worker: int | None = None
+    reason: str = "scaler decision"
+    grad_accumulation_factor: int = 1      # multiply the micro-batches per step (halves the per-rank batch at 2)
+    memory_factor: float | None = None     # multiply the pod memory (backends with grow_memory)
+    relaunch: bool = False                 # relaunch even when the plan stays the same (replace a straggler)
+    immediate: bool = False                # kill the group now instead of a checkpoint-and-stop
+    on_applied: Callable[[bool, str], None] | None = field(default=None, repr=False, compare=False)
+
+    def changes(self, plan: ResourcePlan) -> bool:
+        return (self.workers != plan.workers or (self.threads_per_worker or plan.threads_per_worker) != plan.threads_per_worker
+                or self.grad_accumulation_factor != 1 or self.memory_factor is not None or self.relaunch)
+
+    def plan_after(self, plan: ResourcePlan) -> ResourcePlan:
+        return ResourcePlan(workers=self.workers, threads_per_worker=self.threads_per_worker or plan.threads_per_worker)
+
+    def report(self, applied: bool, note: str = "") -> None:
+        if self.on_applied is not None:
+            self.on_applied(applied, note)
+            self.on_applied = None
+
+
+# (master state, the plan the group runs) -> desired number of workers or a Rescale (None: keep)
+Scaler = Callable[[dict[str, Any], ResourcePlan], "int | Rescale | None"]
 
 
 @dataclass
@@ -83,6 +118,9 @@ class Supervisor:
         self.restarts = 0
         self.handle: Any = None
         self.first_generation = first_generation
+        self._decision: Rescale | None = None  # the scaler's decision behind the master's pending scale request
+        self._relaunch_now: Rescale | None = None
+        self._launched_at = time.monotonic()
 
     def run(self) -> SupervisorResult:
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
@@ -91,7 +129,7 @@ class Supervisor:
             self.grad_accumulation = self.accumulation(self.plan.workers)
             spec_path = self.write_spec(base, self.grad_accumulation, self.plan)
             self.master.touch_progress()
-            t0 = time.monotonic()
+            t0 = self._launched_at = time.monotonic()
             log.info("launch: %d worker(s), generation %d, gradient accumulation %d", self.plan.workers, base,
                      self.grad_accumulation)
             self.handle = handle = self.backend.launch(spec_path, self.plan)
@@ -105,15 +143,19 @@ class Supervisor:
                               wall_s=time.monotonic() - t0)
             self.attempts.append(attempt)
             base = base + span + 1
+            now, self._relaunch_now = self._relaunch_now, None
+            if now is not None:  # killed on the scaler's word (pods pending): not a failure
+                attempt.outcome = "rescaled"
+                attempt.decision = self._apply(now, now.reason)
+                continue
             if code == 0 and hang is None:
                 scale = self.master.take_scale()
                 if self.master.queue.finished or scale is None:
                     attempt.outcome = "finished" if self.master.queue.finished else "stopped"
+                    self._drop_decision("the job finished first")
                     return self._result(code)
                 attempt.outcome = "rescaled"
-                attempt.decision = f"rescale {self.plan.workers} -> {scale['workers']} worker(s): {scale['reason']}"
-                log.warning("%s", attempt.decision)
-                self.plan = ResourcePlan(workers=int(scale["workers"]), threads_per_worker=self.plan.threads_per_worker)
+                attempt.decision = self._apply(self._decision_for(scale), scale["reason"])
                 continue
             if self.persister is not None:
                 self.persister.persist_now()  # what the dead group left in shared memory
@@ -135,7 +177,7 @@ class Supervisor:
                 self.backend.grow_memory(decision.memory_factor)
             scale = self.master.take_scale()  # a rescale asked for while the group was failing still applies
             if scale is not None:
-                self.plan = ResourcePlan(workers=int(scale["workers"]), threads_per_worker=self.plan.threads_per_worker)
+                self._apply(self._decision_for(scale), scale["reason"])
 
     def accumulation(self, workers: int) -> int:
         """Micro-batches per step at `workers` ranks: enough that none exceeds batch_size, times the
@@ -180,18 +222,80 @@ class Supervisor:
                     f"training job timed out after {self.timeout_s}s and was stopped\n--- last lines ---\n{tail}",
                     exit_code=None, log_path=getattr(handle, "log_path", None), log_tail=tail,
                 )
-            self._maybe_scale()
+            self._maybe_scale(handle)
+            if self._relaunch_now is not None:
+                self.backend.stop(handle)
+                return getattr(handle, "exit_code", None), None
 
-    def _maybe_scale(self) -> None:
+    def _maybe_scale(self, handle: Any) -> None:
         if self.scaler is None or self.master.pending_scale is not None or self.master.queue.finished:
             return
-        want = self.scaler(self.master.state(), self.plan)
-        if want is None or want == self.plan.workers:
+        want = self.scaler({**self.master.state(), "launch": self._launch_info(handle)}, self.plan)
+        decision = Rescale(workers=int(want)) if isinstance(want, int) else want
+        if decision is None or not decision.changes(self.plan):
+            return
+        k = self.accumulation(decision.workers) * decision.grad_accumulation_factor
+        if decision.grad_accumulation_factor != 1 and (self.global_batch // decision.workers) % k:
+            decision.report(False, f"{k} micro-batches do not divide the {self.global_batch // decision.workers} rows "
+                                   f"a rank trains per step")
+            return
+        if decision.immediate:
+            self._relaunch_now = decision
             return
         try:
-            self.master.request_scale(int(want), reason="scaler decision")
+            self.master.request_scale(decision.workers, reason=decision.reason)
         except MasterRejection as e:
-            log.warning("scaler asked for %s worker(s): rejected: %s", want, e)
+            log.warning("scaler asked for %s worker(s): rejected: %s", decision.workers, e)
+            decision.report(False, f"rejected by the job master: {e}")
+            return
+        self._decision = decision
+
+    def _decision_for(self, scale: dict[str, Any]) -> Rescale:
+        """The scaler's decision behind a pending scale request, or a plain one (a POST /scale)."""
+        decision, self._decision = self._decision, None
+        if decision is not None and decision.workers == int(scale["workers"]):
+            return decision
+        if decision is not None:
+            decision.report(False, f"superseded by a scale request to {scale['workers']} worker(s)")
+        return Rescale(workers=int(scale["workers"]), reason=scale.get("reason") or "scale request")
+
+    def _drop_decision(self, why: str) -> None:
+        if self._decision is not None:
+            self._decision.report(False, why)
+            self._decision = None
+
+    def _apply(self, decision: Rescale, reason: str) -> str:
+        """Make `decision` the next launch's plan; returns what changed, for the attempt record."""
+        after = decision.plan_after(self.plan)
+        parts = [f"{self.plan.workers} -> {after.workers} worker(s)"]
+        if after.threads_per_worker != self.plan.threads_per_worker:
+            parts.append(f"{self.plan.threads_per_worker} -> {after.threads_per_worker} thread(s) each")
+        if decision.grad_accumulation_factor != 1:
+            self.oom_factor *= decision.grad_accumulation_factor
+            parts.append(f"x{decision.grad_accumulation_factor} gradient accumulation")
+        if decision.memory_factor is not None:
+            if hasattr(self.backend, "grow_memory"):
+                parts.append(f"pod memory {self.backend.grow_memory(decision.memory_factor)}")
+            else:
+                parts.append("more memory asked for, but this backend sets none")
+        self.plan = after
+        text = f"{'relaunch now' if decision.immediate else 'rescale'} {', '.join(parts)}: {reason}"
+        log.warning("%s", text)
+        decision.report(True, text)
+        return text
+
+    def _launch_info(self, handle: Any) -> dict[str, Any]:
+        """What the backend can tell about the running group (empty where it cannot)."""
+        info: dict[str, Any] = {"elapsed_s": time.monotonic() - self._launched_at,
+                                "grad_accumulation": self.grad_accumulation, "pending_s": 0.0, "worker_memory": []}
+        for key in ("pending_s", "worker_memory"):
+            fn = getattr(self.backend, key, None)
+            if fn is not None:
+                try:
+                    info[key] = fn(handle)
+                except Exception as e:  # a probe must never take the job down
+                    log.debug("backend %s failed: %r", key, e)
+        return info
 
     def _result(self, code: int) -> SupervisorResult:
         return SupervisorResult(exit_code=code, plan=self.plan, handle=self.handle, attempts=self.attempts,

@@ -175,6 +175,11 @@ class TaskQueue:
         self._prev_done: dict[str, tuple[str, int]] = {}  # previous epoch's DONE tasks: completer, rows
         self._start_epoch()
 
+    def restarted(self) -> "TaskQueue":
+        """A queue of the same data and settings with nothing done (a job starting over)."""
+        return TaskQueue(self.shard_rows, self.rows_per_task, self.epochs, lease_timeout_s=self.lease_timeout_s,
+                         max_retries=self.max_retries, shuffle_seed=self.shuffle_seed)
+
     # ---- queries -------------------------------------------------------------------------
     @property
     def finished(self) -> bool:

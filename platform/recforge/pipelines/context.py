@@ -30,6 +30,9 @@ class RunContext:
     home: Path = field(default_factory=recforge_home)
     experiment: str = EXPERIMENT
     tracking_uri: str | None = None
+    # calendar day of the run's first synthetic day file (the daily DAG: logical date - train_days), so each
+    # day's run draws new rows from the same hidden model; 0 outside Airflow
+    data_day: int = 0
 
     @classmethod
     def create(cls, run_key: str, config: dict[str, Any] | PipelineConfig, **kw) -> "RunContext":

@@ -1,7 +1,7 @@
 """Glue between Airflow's task context and the stage functions (keeps DAG files to wiring only)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 # Param name -> PipelineConfig field path. Airflow 3 TaskFlow reserves `run_id`, so none is used here.
 PARAM_FIELDS = {
@@ -15,6 +15,7 @@ PARAM_FIELDS = {
     "table_cap": ("table_cap",),
     "model_arch": ("model", "arch"),
     "source_dir": ("source_dir",),
+    "preprocessing": ("preprocessing",),
 }
 
 
@@ -54,14 +55,31 @@ def default_params() -> dict[str, dict[str, Any]]:
         # "null" in the type makes the field optional in Airflow's trigger form (an empty required field blocks it)
         "source_dir": {"default": None, "type": ["null", "string"],
                        "description": "directory of raw day_*.tsv files; empty generates synthetic data"},
+        "preprocessing": {"default": cfg.preprocessing, "type": "string",
+                          "enum": list(get_args(PipelineConfig.model_fields["preprocessing"].annotation)),
+                          "description": "inline: before each step; corun: RAP co-running in the workers; "
+                                         "offline: the training data preprocessed first"},
     }
+
+
+def data_day_of(context: dict[str, Any], config: dict[str, Any]) -> int:
+    """Calendar day (days since 0001-01-01) of the run's first synthetic day: its data interval's day minus the
+    training days, so the held-out day is the run's own day. Manual runs without a logical date use run_after."""
+    from recforge.config import PipelineConfig
+
+    when = context.get("logical_date") or getattr(context["dag_run"], "run_after", None)
+    if when is None:
+        return 0
+    train_days = config.get("train_days", PipelineConfig.model_fields["train_days"].default)
+    return max(0, when.date().toordinal() - int(train_days))
 
 
 def run_stage_from_context(stage: str, context: dict[str, Any]) -> dict[str, Any]:
     from recforge.pipelines.context import RunContext
     from recforge.pipelines.runner import STAGE_FUNCTIONS
 
-    ctx = RunContext.create(context["dag_run"].run_id, config_from_params(dict(context["params"])))
+    config = config_from_params(dict(context["params"]))
+    ctx = RunContext.create(context["dag_run"].run_id, config, data_day=data_day_of(context, config))
     out = STAGE_FUNCTIONS[stage](ctx)
     # XCom carries only small scalars; the full outputs stay in the stage's outputs.json
     return {k: v for k, v in out.items() if isinstance(v, (str, int, float, bool)) or v is None}

@@ -23,8 +23,10 @@ def generate(ctx: RunContext) -> dict[str, Any]:
             return {"files": files[:days], "bayes_auc": None, "synthetic": False}
         from recforge.data.generator import generate_days
 
-        report = generate_days(cfg.dataset(), w.tmp / "raw", days=days, rows_per_day=cfg.rows_per_day, seed=cfg.seed)
-        store.log_metrics(run_id, {"rows_per_day": cfg.rows_per_day, "bayes_auc_holdout": report.bayes_auc[-1]})
+        report = generate_days(cfg.dataset(), w.tmp / "raw", days=days, rows_per_day=cfg.rows_per_day, seed=cfg.seed,
+                               first_day=ctx.data_day)
+        store.log_metrics(run_id, {"rows_per_day": cfg.rows_per_day, "bayes_auc_holdout": report.bayes_auc[-1],
+                                   "first_day": ctx.data_day})
         files = [str(w.final / "raw" / Path(f).name) for f in report.files]
         return {"files": files, "bayes_auc": list(report.bayes_auc), "synthetic": True,
                 "positive_rate": list(report.positive_rate)}

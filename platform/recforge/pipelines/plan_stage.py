@@ -28,6 +28,12 @@ def plan_resources(ctx: RunContext) -> dict[str, Any]:
         store.log_params(run_id, {"policy": cfg.resources.policy, "workers": resources.workers,
                                   "threads_per_worker": resources.threads_per_worker})
         store.log_artifact(run_id, plan_path)
+        corun = None
+        if cfg.preprocessing == "corun":  # RAP: the co-run schedule every worker runs (recforge.rap.corun_pipeline)
+            from recforge.rap.corun_pipeline import plan_and_log_schedule
+            corun = plan_and_log_schedule(store, run_id, cfg, plan, resources.workers, w,
+                                          manifest_dir=ctx.outputs("ingest")["train"]["manifest_dir"],
+                                          trainer_threads=resources.threads_per_worker)  # profiles the job if new
         return {
             "plan_path": str(w.final / "preprocess_plan.json"),
             "workers": resources.workers,
@@ -36,6 +42,7 @@ def plan_resources(ctx: RunContext) -> dict[str, Any]:
             "num_dense": len(plan.dense_features()),
             "preprocess_executor": cfg.preprocess_executor,
             "dlrover": dlrover,
+            "corun": corun,
         }
 
     return run_stage(ctx, "plan_resources", body)

@@ -11,11 +11,24 @@ REGISTERED_MODEL = "recforge-dlrm"
 
 
 def _holdout_inputs(ctx: RunContext, rows: int):
-    from recforge.data.shards import read_rows
+    """The first `rows` held-out rows (fewer when the day has fewer), read across as many shards as needed."""
+    import pyarrow as pa
+
+    from recforge.data.shards import open_manifest, read_rows
     from recforge.preprocess.batch import RawBatch
 
     manifest_dir = ctx.outputs("ingest")["holdout"]["manifest_dir"]
-    raw = RawBatch.from_arrow(read_rows(manifest_dir, 0, 0, rows), ctx.config.dataset())
+    batches = []
+    for i, shard in enumerate(open_manifest(manifest_dir).shards):
+        if rows <= 0:
+            break
+        take = min(rows, shard.rows)
+        batches.append(read_rows(manifest_dir, i, 0, take))
+        rows -= take
+    if not batches or sum(b.num_rows for b in batches) == 0:
+        raise ValueError(f"compile: the held-out day at {manifest_dir} has no rows to compile and check against")
+    table = pa.Table.from_batches(batches).combine_chunks()
+    raw = RawBatch.from_arrow(table.to_batches()[0], ctx.config.dataset())
     return (raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid)
 
 

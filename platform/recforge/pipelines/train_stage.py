@@ -34,10 +34,21 @@ def train(ctx: RunContext) -> dict[str, Any]:
             "seed": cfg.seed,
             "tracking_uri": store.tracking_uri,
             "mlflow_run_id": run_id,
+            "preprocessing": cfg.preprocessing,  # RAP co-run: the schedule plan_resources made (recforge.rap)
+            "corun_schedule_path": (plan.get("corun") or {}).get("schedule_path"),
+            "corun_threads": cfg.corun.threads,
+            "preprocessed_dir": str(w.tmp / "preprocessed") if cfg.preprocessing == "offline" else None,
         }
+        if cfg.preprocessing == "offline":  # preprocess the whole training data first (recforge.rap.corun_offline)
+            from recforge.rap.corun_pipeline import preprocess_offline
+            preprocess_offline(store, run_id, manifest_dir, spec["plan_path"], cfg.dataset(), spec["preprocess_executor"],
+                               w.tmp / "preprocessed")
         store.log_params(run_id, {"train": cfg.train.model_dump(mode="json"),
                                   "model": cfg.model.model_dump(mode="json")})
-        result = run_training_job(
+        from recforge.pipelines import train_dlrover  # DLRover-RM stages 2/3 during training (policy "dlrover")
+
+        scaler = train_dlrover.start(store, run_id, plan, cfg, spec, w.tmp)
+        result = train_dlrover.logging_failures(store, run_id, scaler, run_training_job)(
             spec,
             shard_rows_from_manifest(manifest_dir),
             resources=cfg.resources.model_copy(update={"workers": plan["workers"],
@@ -47,14 +58,16 @@ def train(ctx: RunContext) -> dict[str, Any]:
             # torchrun restarts nothing itself: every relaunch goes through the job's failover policy (one budget)
             backend=LocalBackend(max_restarts=0, log_dir=w.tmp / "logs"),
             state_dir=w.tmp / "master",
+            scaler=scaler,
         )
+        dlrover = train_dlrover.finish(store, run_id, scaler, result.attempts)
         worker = json.loads((w.tmp / "worker" / "result.json").read_text())
         store.log_metrics(run_id, {"samples_per_s": worker["samples_per_s"], "steps": worker["steps"],
                                    "final_train_loss": worker["final_loss"], "wall_s": worker["wall_s"]})
         store.log_dict(run_id, worker, "result.json")
-        if plan.get("dlrover"):  # DLRover-RM stages 2/3: logged as recommendations until the elastic runtime executes them
-            from recforge.tracking.resource_models import recommend_with_dlrover
-            recommend_with_dlrover(store, run_id, plan["dlrover"], worker, result.per_worker)
+        if worker.get("rap"):  # RAP co-run: schedule + Gantt, predicted vs measured iteration time
+            from recforge.rap.corun_pipeline import log_corun
+            log_corun(store, run_id, worker["rap"])
         return {
             "checkpoint_dir": str(w.final / "checkpoint"),
             "samples_per_s": worker["samples_per_s"],
@@ -63,6 +76,7 @@ def train(ctx: RunContext) -> dict[str, Any]:
             "world_size": worker["world_size"],
             "samples_trained": worker["samples_per_epoch"],
             "job": result.model_dump(mode="json") if hasattr(result, "model_dump") else dict(result.__dict__),
+            "dlrover": dlrover,
         }
 
     return run_stage(ctx, "train", body)

@@ -61,6 +61,8 @@ class PreprocessModule(nn.Module):
     """forward(dense int64[B, Fd_in], dense_valid bool, sparse int64[B, Fs_in], sparse_valid bool)
     -> (dense_out float32[B, plan dense], ids int64[B, plan sparse]); inputs in dataset column order."""
 
+    scalar_sources = True  # reads one value per column and row (RECom's one-id proof relies on it)
+
     def __init__(self, plan: Plan, dataset: DatasetConfig, inline_hash: bool = False):
         super().__init__()
         plan.validate_for(dataset)

@@ -15,11 +15,17 @@ from recforge.recom.compile import (
     load,
     save,
 )
-from recforge.recom.errors import CompileMismatchError, NotOneHotError, RecomError, UnsupportedModelError
+from recforge.recom.errors import (
+    CompileMismatchError,
+    LookupIndexError,
+    NotOneHotError,
+    RecomError,
+    UnsupportedModelError,
+)
 from recforge.recom.inference import GatherInferenceModule, InferenceModule
 
 __all__ = [
     "BACKENDS", "DEFAULT_BACKEND", "CompiledModel", "CompileMismatchError", "GatherInferenceModule",
-    "InferenceModule", "NotOneHotError", "RecomError", "UnsupportedModelError", "check_against_eager",
-    "compile", "export_program", "load", "save",
+    "InferenceModule", "LookupIndexError", "NotOneHotError", "RecomError", "UnsupportedModelError",
+    "check_against_eager", "compile", "export_program", "load", "save",
 ]

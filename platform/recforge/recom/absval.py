@@ -34,15 +34,21 @@ class Filt:  # the elements of ``parent`` where ``cond`` holds
 
 
 @dataclass(frozen=True)
-class Filled:  # ``parent`` plus one element for each row with none (sparse_fill_empty_rows)
+class _Extends:
+    """An index space derived from ``parent`` over the rows of the jagged input with ``lengths``."""
+
     parent: Any
     lengths: str
 
 
 @dataclass(frozen=True)
-class EmptyRowsDom:
-    parent: Any
-    lengths: str
+class Filled(_Extends):  # ``parent`` plus one element for each row with none (sparse_fill_empty_rows)
+    pass
+
+
+@dataclass(frozen=True)
+class EmptyRowsDom(_Extends):  # one element for each row of ``parent`` with none
+    pass
 
 
 @dataclass(frozen=True)
@@ -131,28 +137,31 @@ class Offsets:
 
 
 @dataclass(frozen=True)
-class Seg:
+class _PerRow:
+    """A value about the rows of the jagged input with ``lengths``, over index space ``dom``."""
+
     dom: Any
     lengths: str
 
 
 @dataclass(frozen=True)
-class Counts:
-    dom: Any
-    lengths: str
+class Seg(_PerRow):  # the row of each element
+    pass
+
+
+@dataclass(frozen=True)
+class Counts(_PerRow):  # elements per row
     clamped: bool = False  # clamp(min=1) applied
 
 
 @dataclass(frozen=True)
-class EmptyMask:
-    dom: Any
-    lengths: str
+class EmptyMask(_PerRow):  # rows with no element
+    pass
 
 
 @dataclass(frozen=True)
-class EmptyRows:  # arange(B)[empty]: the row ids of the empty rows
-    dom: Any
-    lengths: str
+class EmptyRows(_PerRow):  # arange(B)[empty]: the row ids of the empty rows
+    pass
 
 
 @dataclass(frozen=True)

@@ -283,15 +283,18 @@ def _describe(module: nn.Module) -> dict[str, int]:
 
 def compile(module: nn.Module, example_inputs: Sequence[Any], dynamic_batch: bool = True,
             backend: Backend = DEFAULT_BACKEND, atol: float = 1e-5, *, dynamic_shapes: Any = None,
-            fuse_columns: bool = True, onednn: bool = True, out_of_bounds: str = "error") -> CompiledModel:
+            fuse_columns: bool = True, onednn: bool = True, out_of_bounds: str = "error",
+            size_oblivious: bool = True) -> CompiledModel:
     """Compile ``module`` (an InferenceModule is first lowered to its gather form) for inference.
 
     ``dynamic_shapes`` overrides the inferred dynamic dims (see ``capture.py``); ``fuse_columns=False``
     skips the column compiler; ``onednn=False`` keeps the dense net's linears as captured;
     ``out_of_bounds`` says what a call outside the compiled bounds (another batch size after a static
     capture, an empty batch) does: "error" (ValueError), "eager" (run ``module``, with a warning) or
-    "recompile" (compile again for that batch size, cached). The result is
-    checked against ``module`` on ``example_inputs`` (CompileMismatchError above ``atol``). Raises
+    "recompile" (compile again for that batch size, cached); ``size_oblivious`` captures with size-oblivious
+    reasoning (see ``capture.py``; a model whose Python code branches on "batch == 1" needs False). The result
+    is checked against ``module`` on ``example_inputs`` and, when every input is batch-major, on its first row
+    too (CompileMismatchError above ``atol``). Raises
     NotOneHotError when an InferenceModule's one-id-per-row cannot be proven.
     """
     from recforge.recom.capture import capture
@@ -307,10 +310,11 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], dynamic_batch: boo
     target = module.lowered() if hasattr(module, "lowered") else module
     with eval_mode(module), eval_mode(target):
         before = dispatched_ops(module, inputs)
-        cap = capture(target, inputs, dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes)
+        cap = capture(target, inputs, dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes,
+                      size_oblivious=size_oblivious)
         ep = cap.program
         nodes = graph_ops(ep.graph_module)
-        after = dispatched_ops(ep.module(), inputs)
+        after = dispatched_ops(ep.graph_module, tuple(_lifted_args(ep, pytree.tree_leaves(inputs))))
         metadata = {
             "dynamic_batch": dynamic_batch,
             "example_batch": cap.batch_size,
@@ -325,7 +329,8 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], dynamic_batch: boo
             "capture_notes": cap.notes,
             "out_of_bounds": out_of_bounds,
             "compile_options": {"dynamic_batch": dynamic_batch, "backend": backend, "atol": atol,
-                                "fuse_columns": fuse_columns, "onednn": onednn, "out_of_bounds": out_of_bounds},
+                                "fuse_columns": fuse_columns, "onednn": onednn, "out_of_bounds": out_of_bounds,
+                                "size_oblivious": size_oblivious},
         }
         t0 = time.perf_counter()
         cc = compile_columns(cap) if fuse_columns else None
@@ -366,7 +371,37 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], dynamic_batch: boo
                                      fallback=module, onednn=onednn)
         compiled.metadata["ops_compiled"] = sum(dispatched_ops(compiled, inputs).values())
         compiled.metadata["example_max_abs_diff"] = check_against_eager(compiled, module, inputs, atol=atol)
+        one = _first_row(inputs) if dynamic_batch and dynamic_shapes is None else None
+        if one is not None:  # the capture reasoned about sizes >= 2: check the size it did not see
+            try:
+                with torch.no_grad():
+                    module(*one)
+            except Exception:  # noqa: BLE001  (the model itself refuses one row: nothing to compare)
+                one = None
+        if one is not None:
+            compiled.metadata["one_row_max_abs_diff"] = check_against_eager(compiled, module, one, atol=atol)
     return compiled
+
+
+def _first_row(inputs: tuple) -> tuple | None:
+    """``inputs`` cut to their first row when every tensor leaf is batch-major (dim 0 = one batch size of at
+    least 2), else None (jagged inputs cannot be cut by position)."""
+    leaves = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    sizes = {int(t.shape[0]) for t in leaves}
+    if len(sizes) != 1 or sizes.pop() < 2:
+        return None
+    return pytree.tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, inputs)
+
+
+def _lifted_args(ep: torch.export.ExportedProgram, user_leaves: list[Any]) -> list[Any]:
+    """The arguments of ``ep.graph_module`` (state lifted to inputs) for these flat user inputs: running it
+    so costs nothing to set up, where ``ep.module()`` unlifts every table (seconds at a thousand columns)."""
+    from torch.export.graph_signature import InputKind
+
+    state = {**ep.state_dict, **(getattr(ep, "constants", None) or {})}
+    leaves = iter(user_leaves)
+    return [next(leaves) if s.kind == InputKind.USER_INPUT else state[s.target]
+            for s in ep.graph_signature.input_specs]
 
 
 def _residual_dims(cap, dense_names: list[str]) -> list[Any]:

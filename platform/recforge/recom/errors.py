@@ -16,3 +16,8 @@ class UnsupportedModelError(RecomError, TypeError):
 
 class CompileMismatchError(RecomError, AssertionError):
     """A compiled model's outputs differ from the eager reference by more than the tolerance."""
+
+
+class LookupIndexError(IndexError, RuntimeError):
+    """A compiled embedding layer met an id outside its table at run time. Eager raises IndexError for
+    ``embedding`` and RuntimeError for ``embedding_bag``; this is both, so code written for eager catches it."""

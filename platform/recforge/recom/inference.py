@@ -134,7 +134,8 @@ class GatherInferenceModule(nn.Module):
             raise NotOneHotError(
                 f"cannot prove one id per row: preprocessing module {type(source.preprocess).__name__} has no `plan`"
             )
-        self.one_hot_proof = prove_one_hot(plan, [c.feature for c in source.columns])
+        self.one_hot_proof = prove_one_hot(plan, [c.feature for c in source.columns],
+                                           scalar_sources=getattr(source.preprocess, "scalar_sources", False))
         id_bound = dict(plan.tables()) if hasattr(plan, "tables") else {}
         for c in source.columns:  # ids lie in [0, N) by the plan: every gather stays inside its table
             if c.feature in id_bound and id_bound[c.feature] > c.num_embeddings:

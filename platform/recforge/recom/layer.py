@@ -2,6 +2,11 @@
 
 It holds the plan's buffers (packed tables, boundaries, metadata) and, per call, picks the op's inputs
 out of the model's flattened inputs and calls ``torch.ops.recforge.embedding_layer`` once.
+
+Bad input at run time behaves as eager: an id outside its table (in a column whose ids are not proven in
+range) raises ``LookupIndexError``, an IndexError and a RuntimeError at once (eager's ``embedding`` raises
+the one, ``embedding_bag`` the other), naming the column and the id; lengths that do not match the values
+raise ValueError. Nothing is read outside a table, an input or the workspace.
 """
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 import recforge_kernels.embedding_op  # noqa: F401  (registers torch.ops.recforge.embedding_layer)
+from recforge.recom.errors import LookupIndexError
 from recforge.recom.plan import EmbeddingPlan
 
 
@@ -47,7 +53,9 @@ class FusedEmbeddingLayer(nn.Module):
         try:
             return torch.ops.recforge.embedding_layer(inputs, self.weights, self.fbuf, self.ibuf, self.meta, batch,
                                                       self.total_dim)
-        except (IndexError, ValueError) as e:
+        except IndexError as e:
+            raise LookupIndexError(_name_column(str(e), self.column_names)) from None
+        except ValueError as e:
             raise type(e)(_name_column(str(e), self.column_names)) from None
 
 

@@ -3,7 +3,10 @@
 RECom turns a pooled lookup into a plain gather when it can prove ``nnz == batch`` for a column
 (paper §5.2). Here the proof is read from the RAP plan: a sparse feature has exactly one id per
 row when its op chain fills nulls (at least one value) and keeps the first id (``firstx(1)``, at
-most one), with only length-preserving ops after ``firstx``. Anything else is refused.
+most one), with only length-preserving ops after ``firstx``. With ``scalar_sources`` (the preprocessing reads
+one value per column and row, as PreprocessModule's [B, F] matrices do) a chain of fill_null and length-preserving
+ops without firstx is one id per row as well (RAP's plans 2 and 3 hash or clamp without firstx). Anything else is
+refused.
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ def _firstx_count(params: Any, feature: str) -> int:
     raise NotOneHotError(f"feature {feature!r}: cannot read how many ids firstx keeps from its params {params!r}")
 
 
-def prove_one_hot(plan: Any, feature_names: Sequence[str]) -> dict[str, str]:
+def prove_one_hot(plan: Any, feature_names: Sequence[str], scalar_sources: bool = False) -> dict[str, str]:
     """Return ``{feature: proof}`` for every name in ``feature_names``; raise NotOneHotError otherwise."""
     by_name = {}
     for feat in _features(plan):
@@ -64,6 +67,10 @@ def prove_one_hot(plan: Any, feature_names: Sequence[str]) -> dict[str, str]:
             )
         ops = [(_field(o, "op"), _field(o, "params")) for o in (_field(by_name[name], "ops") or [])]
         names = [op for op, _ in ops]
+        if scalar_sources and "firstx" not in names and names[:1] == ["fill_null"] and all(
+                op in LENGTH_PRESERVING_OPS for op in names):
+            proofs[name] = "scalar source column -> fill_null -> length-preserving ops: exactly one id per row"
+            continue
         if "firstx" not in names:
             raise NotOneHotError(
                 f"feature {name!r}: its plan has no firstx op (ops: {names}), so a row may hold many ids; "

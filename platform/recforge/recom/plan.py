@@ -18,17 +18,8 @@ import torch
 
 from recforge.recom.intervals import INT64_MAX, INT64_MIN, IntervalSet
 from recforge.recom.passes import ids_range
-from recforge.recom.program import (
-    AddConst,
-    Bucketize,
-    Clamp,
-    ColumnProgram,
-    Mod,
-    Remove,
-    Replace,
-    Select,
-    SigridHash,
-)
+from recforge.recom import program as prog
+from recforge.recom.program import ColumnProgram
 from recforge.recom.symshape import SymbolicShapes
 from recforge_kernels import embedding_layout as L
 
@@ -88,7 +79,7 @@ class EmbeddingPlan:
 def _steps_row(p: ColumnProgram, index_of: dict[str, int], fb: list[float], ib: list[int]) -> list[int]:
     out: list[int] = []
     for i, s in enumerate(p.steps):
-        if isinstance(s, Bucketize):
+        if isinstance(s, prog.Bucketize):
             is_float = any(isinstance(b, float) for b in s.boundaries) or p.value.dtype.startswith("float")
             buf = fb if is_float else ib
             off = len(buf)
@@ -96,24 +87,24 @@ def _steps_row(p: ColumnProgram, index_of: dict[str, int], fb: list[float], ib: 
             if is_float and i != 0 and not p.value.dtype.startswith("float"):
                 raise NotLowerable("float boundaries after an integer step")
             row = [L.OP_BUCKETIZE, off, len(s.boundaries), int(s.right), int(is_float), 0]
-        elif isinstance(s, Select):
+        elif isinstance(s, prog.Select):
             if s.flag.input not in index_of:
                 raise NotLowerable(f"flag input {s.flag.input} is not an op input")
             lo, hi, outside = _span(s.keep)
             if outside:
                 raise NotLowerable(f"select flag set {s.keep} is not one interval")
             row = [L.OP_SELECT, index_of[s.flag.input], -1 if s.flag.col is None else s.flag.col, lo, hi, s.value]
-        elif isinstance(s, Mod):
+        elif isinstance(s, prog.Mod):
             row = [L.OP_MOD, s.n, 0, 0, 0, 0]
-        elif isinstance(s, SigridHash):
+        elif isinstance(s, prog.SigridHash):
             row = [L.OP_SIGRID, s.salt, s.m, 0, 0, 0]
-        elif isinstance(s, Clamp):
+        elif isinstance(s, prog.Clamp):
             row = [L.OP_CLAMP, INT64_MIN if s.lo is None else s.lo, INT64_MAX if s.hi is None else s.hi, 0, 0, 0]
-        elif isinstance(s, AddConst):
+        elif isinstance(s, prog.AddConst):
             row = [L.OP_ADD, s.c, 0, 0, 0, 0]
-        elif isinstance(s, Replace):
+        elif isinstance(s, prog.Replace):
             row = [L.OP_REPLACE, *_span(s.keep), s.value, 0]
-        elif isinstance(s, Remove):
+        elif isinstance(s, prog.Remove):
             row = [L.OP_REMOVE, *_span(s.keep), 0, 0]
         else:
             raise NotLowerable(f"step {s!r} has no kernel form")
@@ -146,14 +137,14 @@ def check_lowerable(p: ColumnProgram, ss: SymbolicShapes, placeholders: dict) ->
     try:
         if p.value.dtype not in _SUPPORTED_DTYPES:
             raise NotLowerable(f"values of dtype {p.value.dtype}")
-        if p.value.dtype.startswith("float") and not (p.steps and isinstance(p.steps[0], Bucketize)):
+        if p.value.dtype.startswith("float") and not (p.steps and isinstance(p.steps[0], prog.Bucketize)):
             raise NotLowerable("float values must be bucketized first")
         if len(p.steps) > L.MAX_STEPS:
             raise NotLowerable(f"{len(p.steps)} steps (the kernel runs up to {L.MAX_STEPS})")
         if p.unique or (p.fill_empty is not None and p.zero_empty):
             raise NotLowerable("unique / fill + zero of empty rows left after the passes")
         names = {p.value.input, *( [p.lengths] if p.lengths else []),
-                 *(s.flag.input for s in p.steps if isinstance(s, Select))}
+                 *(s.flag.input for s in p.steps if isinstance(s, prog.Select))}
         _steps_row(p, {n: 0 for n in names}, [], [])
         _workspace_bound(p, ss, placeholders)
     except NotLowerable as e:
@@ -173,7 +164,7 @@ def build_plan(programs: list[ColumnProgram], tables: dict[str, torch.Tensor], s
     for p in programs:
         if p.value.dtype not in _SUPPORTED_DTYPES:
             raise NotLowerable(f"{p.name}: values of dtype {p.value.dtype}")
-        if p.value.dtype.startswith("float") and not (p.steps and isinstance(p.steps[0], Bucketize)):
+        if p.value.dtype.startswith("float") and not (p.steps and isinstance(p.steps[0], prog.Bucketize)):
             raise NotLowerable(f"{p.name}: float values must be bucketized first")
         if len(p.steps) > L.MAX_STEPS:
             raise NotLowerable(f"{p.name}: {len(p.steps)} steps (the kernel runs up to {L.MAX_STEPS})")
@@ -194,7 +185,7 @@ def build_plan(programs: list[ColumnProgram], tables: dict[str, torch.Tensor], s
         if p.lengths:
             index(p.lengths)
         for s in p.steps:
-            if isinstance(s, Select):
+            if isinstance(s, prog.Select):
                 index(s.flag.input)
     index_of = {n: i for i, n in enumerate(input_names)}
     fb: list[float] = []

@@ -87,24 +87,21 @@ Step = Union[Select, Bucketize, Mod, SigridHash, Clamp, AddConst, Replace, Remov
 FILTERS = (Clamp, Replace, Remove)
 
 
+_STEP_FORMATS = {
+    Bucketize: lambda s: f"bucketize(K={len(s.boundaries)}{', right' if s.right else ''})",
+    Mod: lambda s: f"mod({s.n})",
+    SigridHash: lambda s: f"sigrid_hash(salt={s.salt}, M={s.m})",
+    Clamp: lambda s: f"clamp({s.lo}, {s.hi})",
+    AddConst: lambda s: f"add({s.c})",
+    Replace: lambda s: f"replace(keep {s.keep}, else {s.value})",
+    Remove: lambda s: f"remove(keep {s.keep})",
+    Select: lambda s: f"select({s.flag} in {s.keep} ? x : {s.value})",
+}
+
+
 def step_str(s: Step) -> str:
-    if isinstance(s, Bucketize):
-        return f"bucketize(K={len(s.boundaries)}{', right' if s.right else ''})"
-    if isinstance(s, Mod):
-        return f"mod({s.n})"
-    if isinstance(s, SigridHash):
-        return f"sigrid_hash(salt={s.salt}, M={s.m})"
-    if isinstance(s, Clamp):
-        return f"clamp({s.lo}, {s.hi})"
-    if isinstance(s, AddConst):
-        return f"add({s.c})"
-    if isinstance(s, Replace):
-        return f"replace(keep {s.keep}, else {s.value})"
-    if isinstance(s, Remove):
-        return f"remove(keep {s.keep})"
-    if isinstance(s, Select):
-        return f"select({s.flag} in {s.keep} ? x : {s.value})"
-    return repr(s)
+    fmt = _STEP_FORMATS.get(type(s))
+    return fmt(s) if fmt is not None else repr(s)
 
 
 # the column ------------------------------------------------------------------------------------------

@@ -570,18 +570,10 @@ _RULES: dict[Any, Any] = {
     aten.index_add.default: r_index_add, aten.div.Tensor: r_div,
     aten._assert_scalar.default: r_assert_meta, aten._assert_tensor_metadata.default: r_assert_meta,
 }
-for _op in _CMP:
-    _RULES[_op] = r_compare
-for _op in _AND:
-    _RULES[_op] = r_and
-for _op in _OR:
-    _RULES[_op] = r_or
-for _op in _NOT:
-    _RULES[_op] = r_not
-for _op in _NOOP:
-    _RULES[_op] = r_noop
-for _op in _BAG_OPS:
-    _RULES[_op] = r_embedding_bag
+for _ops, _rule in ((_CMP, r_compare), (_AND, r_and), (_OR, r_or), (_NOT, r_not), (_NOOP, r_noop),
+                    (_BAG_OPS, r_embedding_bag)):
+    for _op in _ops:
+        _RULES[_op] = _rule
 _RULES[recforge_ops.sigrid_hash.default] = r_sigrid
 _RULES[recforge_ops.sigrid_hash_multi.default] = r_sigrid
 

@@ -11,10 +11,17 @@ def _client(tracking_uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri=tracking_uri)
 
 
-def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int) -> None:
+def log_metric_batch(client: MlflowClient, run_id: str, metrics: dict[str, float], step: int) -> None:
+    """One MLflow batch of `metrics` at `step`, all stamped now; nothing is sent for an empty dict."""
     import time
 
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    _client(tracking_uri).log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+    batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+    if batch:
+        client.log_batch(run_id, metrics=batch)
+
+
+def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int) -> None:
+    log_metric_batch(_client(tracking_uri), run_id, metrics, step)

@@ -37,6 +37,7 @@ PLAN_TAG = "recforge.final_plan"
 RECORD_FILE = "resource_model/record.json"
 EVENTS_FILE = "resource_model/events.jsonl"
 MODEL_NAME = "resource_model"
+REGISTRY_PREFIX = "recforge-resource-model"
 
 
 class ResourceModelPyfunc(mlflow.pyfunc.PythonModel):
@@ -103,8 +104,10 @@ def log_resource_model(store: TrackingStore, run_id: str, *, model: ThroughputMo
                        final_plan: dict[str, Any], memory: MemoryModel | None = None, samples_per_s: float | None = None,
                        peak_memory_bytes: float | None = None, points: Sequence[Sample] = (),
                        held_out: Sequence[Sample] = (), metrics: dict[str, float] | None = None,
-                       extra: dict[str, Any] | None = None) -> str:
-    """Log a job's fitted model as history and as a loadable pyfunc; returns the model URI."""
+                       extra: dict[str, Any] | None = None, register: bool = False) -> str:
+    """Log a job's fitted model as history and as a loadable pyfunc; returns the model URI. With
+    `register`, the model also becomes a version of the registered model `registered_name(dataset,
+    model_family)` (browsable in the MLflow UI's Models page; `load_resource_model(name=...)`)."""
     record = {"dataset": dataset, "model_family": model_family, "final_plan": final_plan,
               "samples_per_s": samples_per_s, "peak_memory_bytes": peak_memory_bytes,
               "throughput_model": model.to_dict(), "memory_model": memory.to_dict() if memory else None,
@@ -130,7 +133,32 @@ def log_resource_model(store: TrackingStore, run_id: str, *, model: ThroughputMo
             warnings.filterwarnings("ignore", message=".*type hints.*")
             info = mlflow.pyfunc.log_model(name=MODEL_NAME, python_model=ResourceModelPyfunc(),
                                            artifacts={"record": str(path)}, pip_requirements=_requirements())
+    if register:
+        register_resource_model(store, run_id, info, registered_name(dataset, model_family),
+                                tags={"fit_mape": f"{model.fit_mape:.4f}", "final_plan": json.dumps(final_plan, sort_keys=True)})
     return info.model_uri
+
+
+def registered_name(dataset: str, model_family: str) -> str:
+    """One registered model per dataset preset and model family: its versions are the daily jobs' fits."""
+    return f"{REGISTRY_PREFIX}-{dataset}-{model_family}"
+
+
+def register_resource_model(store: TrackingStore, run_id: str, info, name: str,
+                            tags: dict[str, str] | None = None) -> str:
+    """Register a logged resource model (idempotent per run: a retried task finds its version)."""
+    client = store.client
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, description="recforge DLRover-RM resource-performance model: "
+                                       "samples/s and memory per resource configuration")
+    existing = client.search_model_versions(f"name = '{_q(name)}' and run_id = '{run_id}'")
+    if existing:
+        return str(max((v.version for v in existing), key=int))
+    mv = client.create_model_version(name, source=info.model_uri, run_id=run_id, tags=tags or {},
+                                     model_id=getattr(info, "model_id", None))
+    return str(mv.version)
 
 
 def log_events(store: TrackingStore, run_id: str, events: Sequence[Any], prefix: str = "dlrover") -> None:
@@ -147,11 +175,23 @@ def log_events(store: TrackingStore, run_id: str, events: Sequence[Any], prefix:
     store.log_metrics(run_id, counts)
 
 
-def load_resource_model(model_uri: str, tracking_uri: str | None = None):
-    """The pyfunc: `.predict(pd.DataFrame({"workers": [8], "cpu_per_worker": [2], "batch_size": [512]}))`."""
+def load_resource_model(model_uri: str | None = None, tracking_uri: str | None = None, *, name: str | None = None,
+                        version: str | int | None = None):
+    """The pyfunc: `.predict(pd.DataFrame({"workers": [8], "cpu_per_worker": [2], "batch_size": [512]}))`.
+
+    Either a model URI (runs:/..., models:/...) or a registered `name` (see `registered_name`) with a
+    `version` (a number, an alias, or None for the newest version)."""
+    if (model_uri is None) == (name is None):
+        raise ValueError("load_resource_model: give either model_uri or name (with an optional version)")
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
-    return mlflow.pyfunc.load_model(model_uri)
+    if name is not None:
+        v = "latest" if version is None else str(version)
+        model_uri = f"models:/{name}/{v}" if v.isdigit() or v == "latest" else f"models:/{name}@{v}"
+    try:
+        return mlflow.pyfunc.load_model(model_uri)
+    except MlflowException as e:
+        raise MlflowException(f"resource model {model_uri!r} cannot be loaded: {e.message}") from e
 
 
 def _requirements() -> list[str]:
@@ -212,25 +252,86 @@ def _q(s: str) -> str:
 # the daily pipeline's hooks (resources.policy == "dlrover")
 # ---------------------------------------------------------------------------------------------
 def plan_with_dlrover(store: TrackingStore, run_id: str, cfg, tables, total_rows: int):
-    """Stage 1 for the plan task: MLflow history of runs with the same dataset preset and model family.
-    Logs the events and the stage's state; returns (ResourcePlan, state for the train task)."""
-    from recforge.elastic.optimizer import pipeline_plan
+    """Stage 1 for the plan task: MLflow history of runs with the same dataset preset and model family,
+    within cfg.resources.dlrover's limits. Logs the events and the stage's state; returns
+    (ResourcePlan, state for the train task)."""
+    from recforge.elastic.memory_model import GiB
+    from recforge.elastic.optimizer import optimizer_config, pipeline_limits, pipeline_plan
     from recforge.elastic.policy import ResourcePlan
 
+    dl = cfg.resources.dlrover
     history = MlflowHistory(store)
     out = pipeline_plan(cfg.resources, dataset=cfg.dataset_preset, model_family=cfg.model.arch,
                         batch_size=cfg.train.batch_size, total_rows=int(total_rows), tables=tables,
-                        embedding_dim=cfg.model.embedding_dim, history=history)
+                        embedding_dim=cfg.model.embedding_dim, history=history,
+                        limits=pipeline_limits(dl.max_cpu, dl.max_workers),
+                        memory_per_worker=dl.worker_memory_gib * GiB if dl.worker_memory_gib else None,
+                        config=optimizer_config(dl), epochs=cfg.train.epochs)
     log_events(store, run_id, out["events"])
     store.log_dict(run_id, {**out["state"], "history_problems": history.problems}, "resource_model/stage1.json")
     store.set_tags(run_id, {"dlrover.stage1": out["events"][0].action if out["events"] else "none"})
     return ResourcePlan(out["workers"], out["threads_per_worker"]), out["state"]
 
 
+def log_dlrover_run(store: TrackingStore, run_id: str, scaler, attempts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Stages 2/3 as the elastic runtime executed them during the train task (`DLRoverScaler`): every
+    event (executed or not, with why), the throughput measured at each plan, the relaunches, and this
+    run's model with its measured points as history for tomorrow's stage 1 (registered, so it can be
+    browsed and loaded by name)."""
+    events = list(scaler.events)
+    log_events(store, run_id, events)
+    executed = [e for e in events if e.executed]
+    by_plan = scaler.throughput_by_plan()
+    metrics: dict[str, float] = {
+        "dlrover.decisions": float(sum(1 for e in events if e.changes_plan or e.action == "replace_straggler")),
+        "dlrover.executed": float(len(executed)),
+        "dlrover.relaunches": float(sum(1 for a in attempts if a.get("outcome") == "rescaled")),
+        "dlrover.final_workers": float(scaler.plan.workers),
+    }
+    for p in by_plan:
+        metrics[f"dlrover.samples_per_s.w{p['workers']}t{p['threads_per_worker']}"] = p["samples_per_s"]
+    if len(by_plan) >= 2 and by_plan[0]["samples_per_s"] > 0:
+        metrics["dlrover.throughput_ratio_last_vs_first_plan"] = by_plan[-1]["samples_per_s"] / by_plan[0]["samples_per_s"]
+    store.log_metrics(run_id, metrics)
+    for i, m in enumerate(scaler.measured):  # the run's timeline, one point per profiler poll
+        store.log_metrics(run_id, {"dlrover.samples_per_s": m["samples_per_s"], "dlrover.workers": float(m["workers"])}, step=i)
+    summary: dict[str, Any] = {"executed": [e.to_dict() for e in executed], "throughput_by_plan": by_plan,
+                               "attempts": list(attempts), "final_plan": scaler.plan.to_dict(),
+                               "events": len(events), "model_status": scaler.runtime.model.status}
+    summary["model_uri"] = _log_run_model(store, run_id, scaler, by_plan)
+    store.log_dict(run_id, summary, "resource_model/stage23.json")
+    return summary
+
+
+def _log_run_model(store: TrackingStore, run_id: str, scaler, by_plan: list[dict[str, Any]]) -> str | None:
+    """The runtime stage's model after the run, fitted (or the prior rescaled) on what the run measured."""
+    online, job = scaler.runtime.model, scaler.policy.job
+    if not online.samples:
+        log.warning("DLRover: the run measured no throughput; no resource model logged for the history")
+        return None
+    try:
+        online.refit()
+    except ModelFitError as e:  # keep what the stage used; say so
+        online.status = f"final refit failed ({e}); model as used during the run"
+    if online.model is None:
+        log.warning("DLRover: no resource model after the run (%s); none logged", online.status)
+        return None
+    from dataclasses import replace as _replace
+
+    points = [Sample(_replace(scaler.plan, workers=p["workers"], cpu_per_worker=float(p["threads_per_worker"]))
+                     .allocation(job.host_cores), float(p["samples_per_s"])) for p in by_plan]
+    return log_resource_model(
+        store, run_id, model=online.model, dataset=job.dataset, model_family=job.model_family,
+        final_plan=scaler.plan.to_dict(), memory=scaler.policy.warm.memory, samples_per_s=by_plan[-1]["samples_per_s"],
+        points=points, extra={"points": [{"allocation": s.allocation.to_dict(), "samples_per_s": s.samples_per_s}
+                                         for s in points], "model_status": online.status}, register=True)
+
+
 def recommend_with_dlrover(store: TrackingStore, run_id: str, state: dict, worker_result: dict,
                            per_worker: dict | None = None) -> dict[str, Any]:
-    """Stages 2 and 3 after the train task, logged as recommendations (nothing executes them until the
-    elastic runtime lands), plus this run's model and measured point as history for tomorrow's stage 1."""
+    """Stages 2 and 3 on a finished run, logged as recommendations (for a run trained without the runtime
+    stages; the pipeline's dlrover runs use `log_dlrover_run`), plus this run's model and measured point as
+    history for tomorrow's stage 1."""
     from recforge.elastic.optimizer import recommend_after_run
 
     shares = {k: (v or {}).get("samples") for k, v in (per_worker or {}).items()}

@@ -106,13 +106,9 @@ class TrackingStore:
             self.client.log_param(run_id, key, value)
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-        from mlflow.entities import Metric
-        import time
+        from recforge.tracking.metrics import log_metric_batch
 
-        now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        if batch:
-            self.client.log_batch(run_id, metrics=batch)
+        log_metric_batch(self.client, run_id, metrics, step)
 
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
         for k, v in tags.items():

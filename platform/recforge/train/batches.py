@@ -44,7 +44,7 @@ class Batch:
 
 
 def slice_raw(raw: RawBatch, start: int, end: int) -> RawBatch:
-    return RawBatch(**{f.name: getattr(raw, f.name)[start:end] for f in dataclasses.fields(raw)})
+    return type(raw)(**{f.name: getattr(raw, f.name)[start:end] for f in dataclasses.fields(raw)})
 
 
 def prepare(raw: RawBatch, batch_size: int, executor: Executor, device: torch.device) -> Batch:
@@ -87,13 +87,17 @@ class TaskBatches:
                 return None
         start, end = self._offset, min(self._offset + self.batch_size, self._raw.rows)
         self._offset = end
-        batch = prepare(slice_raw(self._raw, start, end), self.batch_size, self.executor, self.device)
+        batch = self.prepare(slice_raw(self._raw, start, end))
         batch.task_id = self._task.task_id
         batch.last_of_task = end >= self._raw.rows
         batch.epoch, batch.shard = self._task.epoch, self._task.shard
         batch.row_start, batch.row_end = self._task.row_start + start, self._task.row_start + end
         batch.task_rows = self._raw.rows
         return batch
+
+    def prepare(self, raw: RawBatch) -> Batch:
+        """One batch's rows -> a trainable Batch (the RAP co-run source overrides it to defer preprocessing)."""
+        return prepare(raw, self.batch_size, self.executor, self.device)
 
     def progress(self) -> dict[str, int]:
         """{task id: rows of it handed out as batches} for the task this rank holds; after `trained` was
@@ -111,14 +115,18 @@ class TaskBatches:
             if self._task is not None and self._task.task_id == batch.task_id:
                 self._raw, self._task = None, None  # else (micro-batches) the next task is already leased
 
+    def read_task(self, task) -> RawBatch:
+        """A task's rows (the offline-preprocessed source overrides it to read preprocessed rows)."""
+        rb: pa.RecordBatch = read_rows(self.manifest_dir, task.shard, task.row_start, task.row_end)
+        if rb.num_rows != task.row_end - task.row_start:
+            raise RuntimeError(f"task {task.task_id}: read {rb.num_rows} rows, expected {task.row_end - task.row_start}")
+        return RawBatch.from_arrow(rb, self.dataset)
+
     def _lease(self) -> bool:
         task = self.client.lease()
         if task is None:
             return False
-        rb: pa.RecordBatch = read_rows(self.manifest_dir, task.shard, task.row_start, task.row_end)
-        if rb.num_rows != task.row_end - task.row_start:
-            raise RuntimeError(f"task {task.task_id}: read {rb.num_rows} rows, expected {task.row_end - task.row_start}")
-        self._task, self._raw, self._offset = task, RawBatch.from_arrow(rb, self.dataset), 0
+        self._task, self._raw, self._offset = task, self.read_task(task), 0
         if self._raw.rows == 0:  # an empty task: nothing to train, done at once
             self.client.done(task.task_id, samples=0)
             self._raw = None

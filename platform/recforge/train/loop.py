@@ -114,34 +114,43 @@ def train_epoch(
     rank: int = 0,
     resume: EpochStats | None = None,
     on_window: Callable[[LoopState, EpochStats], None] | None = None,
+    accumulation: int = 1,
 ) -> EpochStats:
     """`resume`: the counters of this epoch restored from a checkpoint. `on_window(state, stats)` runs
-    on every rank at each logging-window boundary, when `stats` is exact (checkpoints happen there)."""
+    on every rank at each logging-window boundary, when `stats` is exact (checkpoints happen there).
+    `accumulation`: micro-batches per optimizer step (recforge.train.accumulate explains the > 1 case)."""
+    if accumulation < 1:
+        raise ValueError(f"accumulation must be >= 1, got {accumulation}")
     model, opt = sharded.model, sharded.optimizer
     model.train()
     stats = resume if resume is not None else EpochStats(epoch=epoch)
     t0 = win_t0 = time.perf_counter()
     win_loss, win_samples = 0.0, 0
     window = WindowMetrics()
+    tag = f" (x{accumulation} micro-batches)" if accumulation > 1 else ""
     while True:
-        batch = source.next()
-        has_data, real = (1.0, float(batch.real)) if batch is not None else (0.0, 0.0)
-        g_has, g_real = _all_reduce([has_data, real])
+        micro: list[Batch | None] = []
+        for _ in range(accumulation):  # a step's micro-batches; none asked for after the source ran dry
+            micro.append(source.next() if not micro or micro[-1] is not None else None)
+        real = sum(b.real for b in micro if b is not None)
+        g_has, g_real = _all_reduce([1.0 if micro[0] is not None else 0.0, float(real)])
         if g_has == 0:
             break
-        b = batch if batch is not None else empty_batch
-        logits = model(b.dense, b.sparse)
-        loss, local_sum = step_loss(logits, b.labels, b.weights, g_real, world_size)
-        window.add(logits, b.labels, b.weights)
-        loss.backward()
+        for b in micro:
+            mb = b if b is not None else empty_batch
+            logits = model(mb.dense, mb.sparse)
+            loss, local_sum = step_loss(logits, mb.labels, mb.weights, g_real, world_size)
+            window.add(logits, mb.labels, mb.weights)
+            loss.backward()
+            win_loss += float(local_sum)
         opt.step()
         opt.zero_grad()
-        if batch is not None:
-            source.trained(batch)
+        for b in micro:
+            if b is not None:
+                source.trained(b)
         state.step += 1
         stats.steps += 1
-        win_loss += float(local_sum)
-        win_samples += b.real if batch is not None else 0
+        win_samples += real
         if heartbeat is not None:
             heartbeat.maybe(state.step)
         if state.step % log_every == 0:
@@ -153,7 +162,8 @@ def train_epoch(
             stats.samples += int(g_samples)
             if rank == 0:
                 sps = g_samples / max(now - win_t0, 1e-9)
-                log.info("epoch %d step %d: train loss %.5f, %.0f samples/s", epoch, state.step, state.last_window_loss, sps)
+                log.info("epoch %d step %d%s: train loss %.5f, %.0f samples/s", epoch, state.step, tag,
+                         state.last_window_loss, sps)
                 if sink is not None:
                     sink({"train_loss": state.last_window_loss, "samples_per_s": sps, **quality}, state.step)
             win_t0, win_loss, win_samples = now, 0.0, 0

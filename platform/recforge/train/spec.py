@@ -5,6 +5,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -31,9 +32,16 @@ class WorkerSpec(BaseModel):
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
     recovery: RecoverySpec = Field(default_factory=RecoverySpec, description="checkpoints, restarts, flash, accounting")
+    preprocessing: Literal["inline", "corun", "offline"] = Field(
+        "inline", description="corun: RAP co-running; offline: train from preprocessed_dir (recforge.rap)")
+    preprocessed_dir: Path | None = Field(None, description="offline: rows preprocessed before training")
+    corun_schedule_path: Path | None = Field(None, description="co-run schedule JSON (default: every kernel in mlp_bwd)")
+    corun_threads: int = Field(1, ge=1, description="intra-op threads of the co-run thread")
 
     @model_validator(mode="after")
     def _consistent(self) -> "WorkerSpec":
+        if self.preprocessing == "offline" and self.preprocessed_dir is None:
+            raise ValueError("preprocessed_dir: required when preprocessing is 'offline'")
         if self.mlflow_run_id is not None and not self.tracking_uri:
             raise ValueError("tracking_uri: required when mlflow_run_id is set")
         if not self.train.fused_embeddings and self.train.sharding in ("table_wise", "column_wise"):

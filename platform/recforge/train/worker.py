@@ -84,6 +84,9 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> d
     model = build_dlrm(spec.model, tables, num_dense, device)
     sharded = shard_model(model, spec.train, world_size=world_size, device=device)
     executor = make_executor(spec.preprocess_executor, plan, spec.dataset)  # PipelineConfig.preprocess_executor
+    from recforge.rap.corun_pipeline import epoch_source, start_session
+
+    corun = start_session(spec, plan, sharded, device)  # RAP co-running (spec.preprocessing == "corun"), else None
     bs = spec.train.batch_size
     micro = per_rank // accumulation  # rows per forward; a step is `accumulation` of them on every rank
     zero_batch = empty(spec.dataset, micro, executor, device)
@@ -125,7 +128,7 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> d
     try:
         for epoch in range(start.start_epoch, spec.train.epochs):
             client.epoch = epoch
-            source = TaskBatches(client, spec.manifest_dir, spec.dataset, executor, micro, device, ledger=ledger)
+            source = epoch_source(spec, corun, client, executor, micro, device, ledger)  # by spec.preprocessing
             current["source"] = source
             resume = start.current if start.current is not None and start.current.epoch == epoch else None
             common = dict(epoch=epoch, world_size=world_size, log_every=spec.train.log_every, heartbeat=heartbeat,
@@ -144,6 +147,8 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> d
     finally:
         if ledger is not None:
             ledger.close()
+        if corun is not None:
+            corun.close()
     train_wall = time.perf_counter() - t_train
     client.close()
 
@@ -181,6 +186,7 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> d
         "micro_batch_size": micro,
         "rows_per_rank_step": per_rank,
         "global_batch": per_rank * world_size,
+        "rap": corun.summary() if corun is not None else None,
     }
     out = Path(spec.output_dir)
     out.mkdir(parents=True, exist_ok=True)

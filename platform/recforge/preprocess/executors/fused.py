@@ -9,6 +9,10 @@ longest row prefix its consumers read (firstx(X) reads X; onehot one value; ngra
 elementwise ops pass demand through; a feature's output is read whole). onehot then writes only its first
 `demand` classes and an ngram whose first window covers its demand is a slice of its input. RAP's plans 2 and 3
 build 8- and 20-value rows (onehot -> ngram) and keep one value (firstx(1)): the results are the same.
+
+Single pass (single_pass=True, CPU with the C++ kernels): when every feature keeps one value per row and reads a
+scalar column, the groups run as one call that does each feature's whole chain per row tile (executors/chain.py);
+the values are the grouped kernels'. Otherwise (list columns in the batch, wider rows, CUDA) the groups run one by one.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.columns import BatchError, Col, check_batch, finish, sources
 from recforge.preprocess.compiler import CompiledPlan, FusedGroup, compile_plan
+from recforge.preprocess.executors.chain import ChainProgram, NotChainable, chain_program
 from recforge.preprocess.graph import Node
 from recforge.preprocess.ops import logit_bounds
 from recforge.preprocess.plan import Plan
@@ -54,7 +59,7 @@ class FusedExecutor:
     name = "fused"
 
     def __init__(self, plan: Plan, dataset: DatasetConfig, method: str = "milp",
-                 compiled: CompiledPlan | None = None, prune: bool = True):
+                 compiled: CompiledPlan | None = None, prune: bool = True, single_pass: bool = True):
         plan.validate_for(dataset)
         self.plan, self.dataset, self.prune = plan, dataset, prune
         self.compiled = compiled if compiled is not None else compile_plan(plan, method=method)
@@ -64,10 +69,24 @@ class FusedExecutor:
         self._tables: dict[tuple[int, str], Tensor] = {}  # (group index, device) -> flat borders / map table
         self._plans: dict[tuple, list] = {}  # (group, device) -> [(member indices, call)] of an elementwise group
         self.calls = 0  # op calls made by the last batch
+        self._chain: ChainProgram | None = None
+        self.single_pass_reason = "off (single_pass=False)"
+        if single_pass:
+            try:
+                self._chain = chain_program(plan, dataset)
+                self.single_pass_reason = "every feature keeps one value per row from a scalar column"
+            except NotChainable as e:
+                self.single_pass_reason = f"off: {e}"
 
     @torch.no_grad()
     def __call__(self, raw: RawBatch) -> tuple[Tensor, KeyedJaggedTensor]:
         check_batch(raw, self.dataset, self.plan)
+        if self._single_pass(raw):
+            self.calls = 1
+            dense, ids = self._chain.run(raw)
+            keys = self.plan.sparse_features()
+            lengths = torch.ones(len(keys) * raw.rows, dtype=torch.int32, device=ids.device)
+            return dense, KeyedJaggedTensor(keys=keys, values=ids, lengths=lengths, stride=raw.rows)
         vals: dict[int, Col] = {}
         self.calls = 0
         for gi, group in enumerate(self.compiled.groups):
@@ -75,9 +94,14 @@ class FusedExecutor:
         outputs = {f: vals[n] for f, n in self.compiled.graph.outputs.items()}
         return finish(self.plan, outputs, raw.rows, raw.dense.device)
 
+    def _single_pass(self, raw: RawBatch) -> bool:
+        return (self._chain is not None and raw.dense.device.type == "cpu" and fused_ops.use_cpp()
+                and not (self._chain.source_names & raw.jagged.keys()))
+
     def describe(self) -> dict[str, Any]:
         pruned = sum(1 for d in self.demand.values() if d is not None) if self.prune else 0
-        return {"executor": self.name, "pruned_nodes": pruned, **self.compiled.summary()}
+        return {"executor": self.name, "pruned_nodes": pruned, "single_pass": self.single_pass_reason,
+                **self.compiled.summary()}
 
     def _demands(self) -> tuple[dict[int, int], dict[int, int | None]]:
         """Static row widths (scalar sources) and the row prefix each node's consumers read (None: all)."""

@@ -73,7 +73,16 @@ class StringHashColumn(nn.Module):
         return self.embedding(ids.clamp(0, self.num_rows - 1))
 
 
-class MultiHotColumn(nn.Module):
+class _HashedBagColumn(nn.Module):
+    """A jagged column of fingerprints hashed into a table of ``num_rows`` and pooled with ``combiner``."""
+
+    def __init__(self, num_rows: int, dim: int, combiner: str = "sum", salt: int = 0):
+        super().__init__()
+        self.num_rows, self.salt, self.combiner = int(num_rows), int(salt), _check_combiner(combiner)
+        self.weight = nn.Parameter(torch.randn(self.num_rows, dim) * 0.1)
+
+
+class MultiHotColumn(_HashedBagColumn):
     """Jagged fingerprints (values[nnz], lengths[B]) -> sigrid_hash -> F.embedding_bag with offsets.
 
     An empty row pools to zeros (sum and mean alike), PyTorch's EmbeddingBag semantics.
@@ -81,18 +90,13 @@ class MultiHotColumn(nn.Module):
 
     kind = "multi_hot"
 
-    def __init__(self, num_rows: int, dim: int, combiner: str = "sum", salt: int = 0):
-        super().__init__()
-        self.num_rows, self.salt, self.combiner = int(num_rows), int(salt), _check_combiner(combiner)
-        self.weight = nn.Parameter(torch.randn(self.num_rows, dim) * 0.1)
-
     def forward(self, values: Tensor, lengths: Tensor) -> Tensor:
         ids = torch.ops.recforge.sigrid_hash(values, self.salt, self.num_rows)
         offsets = torch.cumsum(lengths, 0) - lengths
         return F.embedding_bag(ids, self.weight, offsets, mode=self.combiner)
 
 
-class SafeMultiHotColumn(nn.Module):
+class SafeMultiHotColumn(_HashedBagColumn):
     """TensorFlow's ``safe_embedding_lookup_sparse`` ported op for op (what a migrated model looks like).
 
     prune ids < 0 -> fill empty rows with id 0 -> unique -> gather -> segment sum (/ count for mean)
@@ -100,11 +104,6 @@ class SafeMultiHotColumn(nn.Module):
     """
 
     kind = "safe_multi_hot"
-
-    def __init__(self, num_rows: int, dim: int, combiner: str = "sum", salt: int = 0):
-        super().__init__()
-        self.num_rows, self.salt, self.combiner = int(num_rows), int(salt), _check_combiner(combiner)
-        self.weight = nn.Parameter(torch.randn(self.num_rows, dim) * 0.1)
 
     def forward(self, values: Tensor, lengths: Tensor) -> Tensor:
         batch = lengths.shape[0]

@@ -1,0 +1,17 @@
+"""Writing a benchmark's JSON report: temp file + rename, so a crashed run never leaves half a report."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        json.dump(report, f, indent=2, default=str)
+    os.replace(f.name, path)
+    print(f"wrote {path}")

@@ -1,0 +1,66 @@
+"""The train task under DLRover-RM (resources.policy == "dlrover"): stages 2 and 3 run while the job trains.
+
+The plan task left stage 1's plan and state (`plan_resources` outputs["dlrover"]); here they become a
+`DLRoverScaler` that the elastic runtime consults while the workers train (see
+recforge.elastic.dlrover_scaler for what it executes and how), and the run keeps a per-sample
+ledger so the rows trained across relaunches can be audited. Afterwards every event (inputs,
+prediction, reason, executed or not) and the run's resource model go to the train task's MLflow run.
+A stage 1 state that cannot be read is a documented fallback: the job trains on the plan without
+stages 2/3, and a "fallback" event says why.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+log = logging.getLogger(__name__)
+
+
+def start(store, run_id: str, plan_out: dict[str, Any], cfg, spec: dict[str, Any], tmp: Path):
+    """The scaler for run_training_job (None under the static policy); adds the ledger to `spec`."""
+    state = plan_out.get("dlrover")
+    if cfg.resources.policy != "dlrover" or not state:
+        return None
+    from recforge.elastic.dlrover_scaler import scaler_from_stage1
+
+    try:
+        scaler = scaler_from_stage1(state, cfg.resources.dlrover, memory_action="accumulate")  # local backend
+    except (ValueError, TypeError) as e:
+        from recforge.elastic.events import Event
+        from recforge.tracking.resource_models import log_events
+
+        log.warning("DLRover stages 2/3 off for this run: %s", e)
+        log_events(store, run_id, [Event("runtime", "fallback", f"{e}: training on the plan task's plan without "
+                                         "stages 2/3", plan_before=state.get("plan") if isinstance(state, dict) else None)])
+        return None
+    spec["recovery"] = {**dict(spec.get("recovery") or {}), "ledger_dir": str(tmp / "ledger")}
+    store.log_params(run_id, {"dlrover": cfg.resources.dlrover.model_dump(mode="json")})
+    return scaler
+
+
+def finish(store, run_id: str, scaler, attempts: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Log what stages 2/3 decided and executed during the run; the summary for the task's outputs."""
+    if scaler is None:
+        return None
+    from recforge.tracking.resource_models import log_dlrover_run
+
+    summary = log_dlrover_run(store, run_id, scaler, attempts)
+    return {k: summary[k] for k in ("throughput_by_plan", "final_plan", "events", "model_uri")} | {
+        "executed": [{"stage": e["stage"], "action": e["action"], "reason": e["reason"]} for e in summary["executed"]]}
+
+
+def logging_failures(store, run_id: str, scaler, run_job):
+    """`run_job` (run_training_job) that, when the job fails, still logs what stages 2/3 did first."""
+    if scaler is None:
+        return run_job
+
+    def run(*args, **kwargs):
+        from recforge.elastic.backend import JobFailedError
+
+        try:
+            return run_job(*args, **kwargs)
+        except JobFailedError as e:
+            finish(store, run_id, scaler, getattr(e, "attempts", []))
+            raise
+    return run

@@ -1,0 +1,96 @@
+"""One worker's RAP co-run: the runtime, the stage tracker on the model, and what to log about them.
+
+    session = CorunSession(plan, dataset, schedule, model, device, threads=1, sharding=sharded.plan_summary())
+    source = session.batches(client, manifest_dir, dataset, batch_size, device, ledger)   # per epoch
+    ... train_epoch(..., source, ...) ...
+    session.close(); session.summary()    # predicted vs measured iteration time, kernel / wait medians
+
+Everything that can be wrong with the setup (a schedule that misses a fused kernel or names an unknown one, plan
+features without a table in the sharding plan, too many co-run threads) raises here, before the first step.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recforge.config import DatasetConfig
+from recforge.preprocess.plan import Plan
+from recforge.rap.corun_batches import CorunTaskBatches
+from recforge.rap.runtime import CorunRuntime, check_plan_in_sharding
+from recforge.rap.schedule import CorunSchedule
+from recforge.rap.stages import StageTracker
+
+
+def corun_executor(plan: Plan, dataset: DatasetConfig):
+    """The fused executor the runtime drives (its own instance: its kernel caches are used by one thread)."""
+    from recforge.preprocess.executor import make_executor
+
+    return make_executor("fused", plan, dataset)
+
+
+class CorunSession:
+    def __init__(self, plan: Plan, dataset: DatasetConfig, schedule: CorunSchedule, model: torch.nn.Module,
+                 device: torch.device | str = "cpu", threads: int = 1, sharding: dict[str, Any] | None = None,
+                 executor=None) -> None:
+        if sharding is not None:
+            check_plan_in_sharding(plan.sparse_features(), sharding)
+        self.runtime = CorunRuntime(executor or corun_executor(plan, dataset), schedule, device, threads=threads)
+        self.tracker = StageTracker(model, on_enter=self.runtime.on_enter)
+        self._last_boundary: float | None = None
+        self._stepped = False
+        self.iteration_ms: list[float] = []  # wall time between successive batch requests with a step between
+        self._sources: list[CorunTaskBatches] = []
+
+    def batches(self, client, manifest_dir: str | Path, dataset: DatasetConfig, batch_size: int,
+                device: torch.device, ledger=None, source_cls: type[CorunTaskBatches] = CorunTaskBatches,
+                ) -> CorunTaskBatches:
+        source = source_cls(client, manifest_dir, dataset, self.runtime, batch_size, device, ledger=ledger,
+                            step_boundary=self.step_boundary, step_done=self.step_done)
+        self._sources.append(source)
+        return source
+
+    def step_done(self) -> None:
+        """Right after the optimizer step (a batch reported trained): the step's allreduce stage ends here, so the
+        measured stages are the profiled ones, without the trainer's bookkeeping and the next batch's handout."""
+        if self.tracker.stage == "allreduce":
+            self.tracker.step_end()
+            self._stepped = True
+
+    def step_boundary(self) -> None:
+        """Before each batch request: the previous step (if any) is over, optimizer step included."""
+        now = time.perf_counter()
+        self.step_done()
+        if self._stepped and self._last_boundary is not None:
+            self.iteration_ms.append((now - self._last_boundary) * 1e3)
+        self._stepped = False
+        self._last_boundary = now
+
+    def close(self) -> None:
+        self.step_boundary()
+        for s in self._sources:
+            s.close()
+        self.tracker.detach()
+        self.runtime.close()
+
+    def summary(self) -> dict[str, Any]:
+        """Predicted (the schedule's meta, when its planner gave one) against measured medians, in ms."""
+        meta = self.runtime.schedule.meta
+        stage_ms = {}
+        if self.tracker.steps:
+            stage_ms = {s: round(statistics.median(t.ms[s] for t in self.tracker.steps), 4)
+                        for s in self.tracker.steps[0].ms}
+        out = {
+            "plan": self.runtime.schedule.plan_name,
+            "measured_iteration_ms": round(statistics.median(self.iteration_ms), 4) if self.iteration_ms else None,
+            "measured_stage_ms": stage_ms,
+            "predicted_iteration_ms": meta.get("predicted_iteration_ms"),
+            "steps": len(self.tracker.steps),
+            **self.runtime.summary(),
+            "schedule": json.loads(self.runtime.schedule.to_json()),
+        }
+        return out
