@@ -11,11 +11,12 @@ row offsets (one stack + one cumsum for all of them) go to the device; sizes com
 never from tensor contents, so there is no device-to-host sync unless a column is bounds-checked (its ids
 are not proven in range): then one flag is read after the kernel, to raise IndexError as eager does.
 Inconsistent jagged lengths are not detected on CUDA (that would need a sync); rows past the values are
-read as empty.
+read as empty. An unchecked column (check=0: the compiler proved its ids in range) never reads outside its
+table either: an id outside it gives a zero row.
 
-Not run in the session that wrote it: that machine had no GPU and no triton. The CPU kernel and the
-plain-torch reference define the semantics; ``tests/unit/test_recom_kernel.py`` runs this file against
-the reference when triton imports (TRITON_INTERPRET=1 runs it on a CPU).
+The CPU kernel and the plain-torch reference define the semantics. ``tests/unit/test_recom_triton_interpret.py``
+runs this kernel on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1, triton 3.7.1) against the
+reference, and compiles it for sm_90 down to a cubin (Triton's bundled ptxas needs no GPU). Not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -68,8 +69,10 @@ def _load_value(table_ptr, idx, e, col, mask):
 
 
 @triton.jit
-def _twang(key):
-    key = (~key) + (key << 21)
+def _twang(x):
+    """twang_mix64 of int64 x, in uint64. ~ is taken in int64: the interpreter cannot invert a uint64."""
+    key = x.to(tl.uint64, bitcast=True)
+    key = (~x).to(tl.uint64, bitcast=True) + (key << 21)
     key = key ^ (key >> 24)
     key = key + (key << 3) + (key << 8)
     key = key ^ (key >> 14)
@@ -133,7 +136,7 @@ def _translate(meta_row, table_ptr, fbuf_ptr, ibuf_ptr, value_idx, col, e, mask,
                 xi = _floor_mod(xi, p0)
             elif op == 4:  # SIGRID: hash_128_to_64(salt, twang_mix64(x)) floor-mod M
                 upper = p0.to(tl.uint64, bitcast=True)
-                a = (_twang(xi.to(tl.uint64, bitcast=True)) ^ upper) * KMUL
+                a = (_twang(xi) ^ upper) * KMUL
                 a = a ^ (a >> 47)
                 b2 = (upper ^ a) * KMUL
                 b2 = b2 ^ (b2 >> 47)
@@ -181,14 +184,16 @@ def _embedding_layer_kernel(meta_ptr, table_ptr, offs_ptr, weights_ptr, fbuf_ptr
         if check != 0:
             tl.atomic_max(err_ptr, tl.max(tl.where(bad, c + 1, 0), axis=0))
         kept = kept & ~bad
-        safe = tl.where(kept, ids, 0)
+        # one value per row pooled (sum or mean of one): a removed value leaves an empty bag -> empty_id's row
+        use_empty = bmask & ~kept & (lookup != 0) & (empty_id >= 0) & (empty_id < rows)
+        safe = tl.where(kept, ids, tl.where(use_empty, empty_id, 0))
         vals = tl.load(weights_ptr + w_off + safe[:, None] * dim + d[None, :],
-                       mask=kept[:, None] & dmask[None, :], other=0.0)
+                       mask=(kept | use_empty)[:, None] & dmask[None, :], other=0.0)
         tl.store(out_ptr + b[:, None].to(tl.int64) * total_dim + out_off + d[None, :], vals,
                  mask=bmask[:, None] & dmask[None, :])
     else:
         offs_base = tl.load(offs_ptr + c)  # where this column's offsets[B + 1] start in the offsets buffer
-        for r in tl.static_range(TILE):
+        for r in range(TILE):  # a runtime loop: unrolling 32 bags made the sm_90 compile take over 10 min
             bb = b0 + r
             if bb < batch:
                 start = tl.load(offs_ptr + offs_base + bb)
@@ -210,7 +215,7 @@ def _embedding_layer_kernel(meta_ptr, table_ptr, offs_ptr, weights_ptr, fbuf_ptr
                     acc += tl.sum(vals, axis=0)
                     count += tl.sum(kept.to(tl.int64), axis=0)
                 if count == 0:
-                    if empty_id >= 0:
+                    if (empty_id >= 0) & (empty_id < rows):
                         acc = tl.load(weights_ptr + w_off + empty_id * dim + d, mask=dmask, other=0.0)
                 elif lookup == 2:
                     acc = acc / count.to(tl.float32)
