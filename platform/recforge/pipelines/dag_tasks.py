@@ -20,7 +20,13 @@ PARAM_FIELDS = {
 
 
 def config_from_params(params: dict[str, Any]) -> dict[str, Any]:
-    """Nest the flat DAG Params into a PipelineConfig dict (validated by the stage)."""
+    """Nest the flat DAG Params into a PipelineConfig dict (validated by the stage).
+
+    Airflow merges any trigger conf key into the params without checking it: an unknown key (a typo such as
+    "row_per_day") is an error naming it, not a silently ignored setting."""
+    unknown = sorted(set(params) - set(PARAM_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown recforge_daily param(s) {unknown} in the run's conf; known: {sorted(PARAM_FIELDS)}")
     cfg: dict[str, Any] = {}
     for name, path in PARAM_FIELDS.items():
         if name not in params or params[name] in (None, ""):
