@@ -20,6 +20,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "fused_cpu.cpp"
+HEADERS = (Path(__file__).parent / "csrc" / "sigrid_hash.h",)  # included by SOURCE: part of the build key
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17"]
 
 _lock = threading.Lock()
@@ -48,7 +49,8 @@ def cache_dir() -> Path:
 
 def build_name() -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(), _cpu_signature().encode()):
+    for part in (SOURCE.read_bytes(), *(hdr.read_bytes() for hdr in HEADERS), " ".join(FLAGS).encode(),
+                 torch.__version__.encode(), _cpu_signature().encode()):
         h.update(part)
     return f"recforge_fused_cpu_{h.hexdigest()[:16]}"
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from recforge_kernels.embedding_layout import cpp_defines
 
+SIGRID_HASH_H = Path(__file__).parent / "csrc" / "sigrid_hash.h"
+
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -39,7 +41,6 @@ _SOURCE = r"""
 namespace {
 
 constexpr int64_t REMOVED = std::numeric_limits<int64_t>::min();  // a Remove step dropped the element
-constexpr uint64_t KMUL = 0x9DDFEA08EB382D69ULL;
 
 // Output buffers of at least POOL_MIN bytes are recycled: a freed output goes back to this pool (up to
 // `cap` bytes held; RECFORGE_EMBEDDING_POOL_MB, default 512) instead of to the OS, so the next call does not
@@ -179,30 +180,13 @@ struct Col {
 
 enum Kind { K_GENERIC = 0, K_BUCKET_F32, K_MOD_I64, K_SIGRID_I64, K_IDENT_I64 };
 
-inline uint64_t twang_mix64(uint64_t key) {
-  key = (~key) + (key << 21);
-  key = key ^ (key >> 24);
-  key = key + (key << 3) + (key << 8);
-  key = key ^ (key >> 14);
-  key = key + (key << 2) + (key << 4);
-  key = key ^ (key >> 28);
-  key = key + (key << 31);
-  return key;
-}
-
 inline int64_t floor_mod(int64_t x, int64_t n) {
   int64_t r = x % n;
   return r < 0 ? r + n : r;
 }
 
 inline int64_t sigrid(int64_t x, int64_t salt, int64_t m) {
-  const uint64_t upper = (uint64_t)salt;
-  uint64_t a = (twang_mix64((uint64_t)x) ^ upper) * KMUL;
-  a ^= (a >> 47);
-  uint64_t b = (upper ^ a) * KMUL;
-  b ^= (b >> 47);
-  b *= KMUL;
-  return floor_mod((int64_t)b, m);
+  return floor_mod((int64_t)hash_128_to_64((uint64_t)salt, twang_mix64((uint64_t)x)), m);
 }
 
 // torch.bucketize: right=false -> first i with !(b[i] < x) spelled as torch does (!(b[i] >= x) moves
@@ -656,7 +640,8 @@ def _cpu_model() -> str:
 
 
 def source() -> str:
-    return cpp_defines() + _SOURCE
+    # the sigrid hash is the fused preprocessing kernels' own (csrc/sigrid_hash.h), inlined: the key hashes it too
+    return cpp_defines() + SIGRID_HASH_H.read_text() + _SOURCE
 
 
 def module():

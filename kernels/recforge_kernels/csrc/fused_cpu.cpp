@@ -282,25 +282,7 @@ std::vector<Tensor> mapid(at::TensorList xs, const Tensor& table_, at::IntArrayR
 
 // ------------------------------------------------------------------ sigrid_hash
 
-inline uint64_t twang_mix64(uint64_t key) {
-  key = (~key) + (key << 21);
-  key = key ^ (key >> 24);
-  key = key + (key << 3) + (key << 8);
-  key = key ^ (key >> 14);
-  key = key + (key << 2) + (key << 4);
-  key = key ^ (key >> 28);
-  key = key + (key << 31);
-  return key;
-}
-
-inline uint64_t hash_128_to_64(uint64_t upper, uint64_t lower) {
-  constexpr uint64_t kMul = 0x9ddfea08eb382d69ULL;
-  uint64_t a = (lower ^ upper) * kMul;
-  a ^= (a >> 47);
-  uint64_t b = (upper ^ a) * kMul;
-  b ^= (b >> 47);
-  return b * kMul;
-}
+#include "sigrid_hash.h"
 
 // Signed h floor-mod d: with s = h >> 63 (all ones when negative), a = h ^ s lies in [0, 2^63) and
 // h mod d = s ? d - 1 - (a mod d) : a mod d. Three loops, one per way of taking a mod d; each vectorizes.
