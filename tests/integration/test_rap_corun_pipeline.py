@@ -20,9 +20,10 @@ from recforge.tracking import TrackingStore
 pytestmark = pytest.mark.slow
 
 
-def _ctx(home, key, preprocessing):
+def _ctx(home, key, preprocessing, workers=1, mapping=False):
     cfg = {"rows_per_day": 1200, "rows_per_shard": 600, "seed": 3, "table_cap": 500, "preprocessing": preprocessing,
-           "resources": {"workers": 1}, "train": {"batch_size": 128, "log_every": 2, "batches_per_task": 2}}
+           "resources": {"workers": workers}, "train": {"batch_size": 128, "log_every": 2, "batches_per_task": 2},
+           "corun": {"mapping": mapping}}
     return RunContext.create(key, cfg, home=home)
 
 
@@ -85,3 +86,40 @@ def test_train_task_runs_corun_and_offline(recforge_home):
     torch.testing.assert_close(probe["offline"]["logits"], probe["inline"]["logits"], rtol=1e-4, atol=1e-5)
     off_run = TrackingStore().stage_runs("recforge_daily", "offline")["train"]
     assert off_run.data.metrics["offline_preprocess_s"] > 0
+
+
+def test_corun_with_rap_mapping_on_two_workers(recforge_home):
+    """corun.mapping: the plan task places the tables (mapping MILP) and schedules each rank's two jobs; the workers
+    shard by those placements, preprocess their tables' ids over the global batch and never run the input
+    all-to-all; every row is trained once."""
+    from recforge.rap.corun_mapping import load_mapping
+
+    planned, out = _run(_ctx(recforge_home, "mapped", "corun", workers=2, mapping=True))
+    corun = planned["corun"]
+    assert corun["mapping_path"].endswith("corun_mapping.json")
+    mapping = [load_mapping(corun["mapping_path"], 2, r) for r in range(2)]
+    tables = {t for t, _ in planned["tables"]}
+    assert set(mapping[0].placements) == tables
+    held = {r: {t for t, p in mapping[0].placements.items() if p.kind != "data_parallel" and r in p.ranks}
+            for r in range(2)}
+    for r, m in enumerate(mapping):
+        jobs = {s.meta["job"]: s for s in m.schedules}
+        assert "local" in jobs and ("global" in jobs) == bool(held[r])
+        if held[r]:
+            assert jobs["global"].meta["rows"] == 2 * 128 and jobs["local"].meta["rows"] == 128
+    assert corun["mapping"]["imbalance_after"] is not None
+    assert corun["mapping"]["predicted_iteration_ms"] > 0
+    worker = json.loads((recforge_home / "runs" / "recforge_daily" / "mapped" / "train" / "worker" /
+                         "result.json").read_text())
+    rap = worker["rap"]["mapped"]
+    assert rap["input_all_to_all_used"] is False
+    assert set(rap["global_features"]) == held[0]
+    assert {t: info["ranks"] for t, info in worker["sharding_plan"].items()} == \
+        {t: list(p.ranks) for t, p in mapping[0].placements.items()}
+    # tasks of 256 rows (2 batches of 128) per 600-row shard: 256, 256, 88 -> 6 global batches of up to 2 x 128
+    assert worker["samples_per_epoch"] == [1200] and out["steps"] == 6
+    assert worker["rap"]["batches"] == 6 and worker["rap"]["stages_opened_by_step"] > 0
+    run = TrackingStore().stage_runs("recforge_daily", "mapped")["plan_resources"]
+    assert "rap_mapping_imbalance_after" in run.data.metrics
+    arts = {a.path for a in TrackingStore().client.list_artifacts(run.info.run_id, "rap")}
+    assert {"rap/corun_mapping.json", "rap/schedule_rank0_local.png"} <= arts

@@ -21,6 +21,7 @@ from recforge.rap.mapping import (
     rank_features,
     rank_plan,
     solve,
+    split_rank_plan,
     to_torchrec,
 )
 
@@ -95,6 +96,36 @@ def test_rank_plans_split_sparse_features_by_owner():
     by_source = {n.source: rows(n) for n in compiled.graph.nodes if n.cls == "sparse"}
     assert by_source["C1"] == 100 and by_source["C2"] == 200
     assert all(rows(n) == 100 for n in compiled.graph.nodes if n.cls == "dense")
+
+
+def test_split_rank_plan_separates_local_and_global_rows():
+    tables = PLAN.sparse_features()
+    placements = {t: Placement("table_wise", (i % 3,)) for i, t in enumerate(tables)}
+    placements["C2"] = Placement("data_parallel", (0, 1, 2))
+    placements["C4"] = Placement("column_wise", (0, 1, 2))
+    for rank in range(3):
+        local, global_ = split_rank_plan(PLAN, placements, rank)
+        want_local, want_global = rank_features(PLAN, placements, rank)
+        assert local.name == f"rap_plan0@rank{rank}.local" and global_.name == f"rap_plan0@rank{rank}.global"
+        order = [f.name for f in PLAN.features]
+        for sub, want in ((local, want_local), (global_, want_global)):
+            names = [f.name for f in sub.features]
+            assert sorted(names) == sorted(want) and names == sorted(names, key=order.index)  # plan order
+            assert all(f == PLAN.features[order.index(f.name)] for f in sub.features)  # the same chains
+        assert "C2" in local.sparse_features() and "C4" in global_.sparse_features()
+        assert global_.dense_features() == [] and local.dense_features() == PLAN.dense_features()
+        assert {f.name for f in local.features} | {f.name for f in global_.features} == \
+            {f.name for f in rank_plan(PLAN, placements, rank).features}
+    # no tables held: no global plan; only table_wise tables and no dense features: no local plan
+    replicated = {t: Placement("data_parallel", (0, 1)) for t in tables}
+    assert split_rank_plan(PLAN, replicated, 1)[1] is None
+    sparse_only = PLAN.model_copy(update={"features": [f for f in PLAN.features if f.kind == "sparse"]})
+    on_zero = {t: Placement("table_wise", (0,)) for t in tables}
+    local, global_ = split_rank_plan(sparse_only, on_zero, 0)
+    assert local is None and global_.sparse_features() == tables
+    assert split_rank_plan(sparse_only, on_zero, 1) == (None, None)
+    with pytest.raises(MappingError, match="I1_bucketize"):
+        split_rank_plan(PLAN, {t: Placement("table_wise", (0,)) for t in tables[:-1]}, 0)
 
 
 def test_plan_features_not_in_the_sharding_plan_are_named():

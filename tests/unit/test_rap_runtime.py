@@ -3,6 +3,7 @@
 setup fails before training."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -13,6 +14,7 @@ from recforge.config import DatasetConfig, DenseFeature, ModelConfig, SparseFeat
 from recforge.data.generator import generate_days
 from recforge.data.ingest import ingest
 from recforge.elastic.tasks import Task
+from recforge.preprocess.columns import BatchError
 from recforge.preprocess.compiler import compile_plan
 from recforge.preprocess.executor import make_executor
 from recforge.preprocess.plan import criteo_plan
@@ -20,9 +22,10 @@ from recforge.preprocess.synth import random_raw_batch
 from recforge.rap.corun_batches import PreprocessedBatches
 from recforge.rap.corun_offline import OfflineError, OfflineTaskBatches, preprocess_manifest
 from recforge.rap.corun_session import CorunSession
+from recforge.rap.mapping import Placement, split_rank_plan
 from recforge.rap.runtime import CorunConfigError, CorunRuntime
 from recforge.rap.schedule import Assignment, CorunSchedule, ScheduleError, split_units, whole_kernel_schedule
-from recforge.rap.stages import STAGES
+from recforge.rap.stages import STAGES, StageTracker
 from recforge.train.batches import TaskBatches
 from recforge.train.loop import LoopState, train_epoch
 from recforge.train.model import build_dlrm
@@ -266,3 +269,202 @@ def test_plan_schedule_uses_a_stored_profile_else_one_stage(tmp_path):
     # another world size has no profile: back to one stage
     other = plan_schedule(PLAN, DS, model, world_size=4, batch_size=64, stage="emb_bwd", profile_dir=tmp_path)
     assert {a.stage for a in other.assignments} == {"emb_bwd"}
+
+
+# ------------------------------------------------------------------ several jobs: RAP's mapping on rank 0 of 2
+
+WORLD = 2
+PLACEMENTS = {"C1": Placement("table_wise", (0,)), "C2": Placement("table_wise", (1,)),
+              "C3": Placement("column_wise", (0, 1)), "C4": Placement("data_parallel", (0, 1))}
+
+
+@pytest.fixture(scope="module")
+def mapped():
+    """Rank 0's (global, local) compiled plans: C1, C3 over the global batch; I1-I3, C4 over its local batch."""
+    local, global_ = split_rank_plan(PLAN, PLACEMENTS, 0)
+    return compile_plan(global_, method="greedy"), compile_plan(local, method="greedy")
+
+
+def _mapped_raws(seed: int):
+    """A global batch (both ranks' batches; C3 a list column, so its KJT is jagged) and rank 0's local batch."""
+    return [random_raw_batch(DS, WORLD * BATCH, seed=seed, list_columns=("C3",)),
+            random_raw_batch(DS, BATCH, seed=seed + 100)]
+
+
+def _executor(compiled):
+    return make_executor("fused", compiled.plan, DS, compiled=compiled)
+
+
+def _assert_same(out, ref):
+    (dense, kjt), (ref_dense, ref_kjt) = out, ref
+    assert torch.equal(dense, ref_dense) and dense.shape == ref_dense.shape
+    assert kjt.keys() == ref_kjt.keys()
+    assert torch.equal(kjt.values(), ref_kjt.values()) and torch.equal(kjt.lengths(), ref_kjt.lengths())
+
+
+def _mapped_runtime(mapped, make_schedule=spread_schedule):
+    jobs = []
+    for compiled, job in zip(mapped, ("global", "local")):
+        sched = make_schedule(compiled)
+        sched.meta["job"] = job
+        jobs.append((_executor(compiled), sched))
+    return CorunRuntime(jobs=jobs)
+
+
+def test_split_rank_plans_give_the_full_plans_features(mapped):
+    """The global job gives a KJT of the held tables (dense [rows, 0]); the local one the dense features and the
+    data_parallel table: what the whole plan's executor gives for those features over the same rows."""
+    global_c, local_c = mapped
+    full = make_executor("fused", PLAN, DS, compiled=compile_plan(PLAN, method="greedy"))
+    global_raw, local_raw = _mapped_raws(0)
+    dense, kjt = _executor(global_c)(global_raw)
+    assert dense.shape == (WORLD * BATCH, 0) and kjt.keys() == ["C1", "C3"] and kjt.stride() == WORLD * BATCH
+    ref = full(global_raw)[1]
+    assert not bool((kjt["C3"].lengths() == 1).all())  # C3 is jagged here
+    for key in ("C1", "C3"):
+        assert torch.equal(kjt[key].values(), ref[key].values()) and torch.equal(kjt[key].lengths(), ref[key].lengths())
+    dense, kjt = _executor(local_c)(local_raw)
+    ref_dense, ref = full(local_raw)
+    assert torch.equal(dense, ref_dense) and dense.shape == (BATCH, 3) and kjt.keys() == ["C4"]
+    assert torch.equal(kjt["C4"].values(), ref["C4"].values())
+
+
+def test_jobs_equal_their_executors_with_gates_opened_by_a_training_step(mapped):
+    runtime = _mapped_runtime(mapped)
+    assert runtime.job_names() == ["global", "local"]
+    refs = [_executor(c) for c in mapped]
+    torch.manual_seed(0)
+    model = build_dlrm(ModelConfig(embedding_dim=8, dense_arch=[16, 8], over_arch=[16, 1]), PLAN.tables(),
+                       len(PLAN.dense_features()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = StageTracker(model, on_enter=runtime.on_enter)
+    step_dense, step_kjt = make_executor("fused", PLAN, DS)(random_raw_batch(DS, BATCH, seed=9))
+    for seed in range(2):
+        raws = _mapped_raws(seed)
+        pending = runtime.launch_many(raws)
+        logits = model(step_dense, step_kjt)
+        logits.sum().backward()
+        opt.step()
+        opt.zero_grad()
+        tracker.step_end()
+        pending._future.result(timeout=60)  # the step's gates alone let every kernel run
+        outs = pending.results()
+        assert len(outs) == 2
+        for out, ref, raw in zip(outs, refs, raws):
+            _assert_same(out, ref(raw))
+        assert pending.timing.opened_by_step == list(STAGES)
+    tracker.detach()
+    summary = runtime.summary()
+    assert summary["batches"] == 2
+    assert summary["predicted_kernel_ms"] == pytest.approx(0.1 * sum(len(j.schedule.assignments) for j in runtime.jobs))
+    assert [j["job"] for j in summary["kernel_ms_by_job"]] == ["global", "local"]
+    # every stage of the spread schedules ran kernels, timed once over both jobs
+    assert set(summary["kernel_ms_by_stage"]) == set(STAGES)
+    for c in runtime.cycles:
+        assert sum(c.job_run_ms) <= sum(c.run_ms.values()) + 1e-6
+    runtime.close()
+
+
+def test_jobs_without_a_step_run_as_leftovers(mapped):
+    runtime = _mapped_runtime(mapped)
+    refs = [_executor(c) for c in mapped]
+    calls = []  # (stage, job) of every part run, seen through the real executors' run_group
+    for ji, job in enumerate(runtime.jobs):
+        stage_of = {p.key: p.assignment.stage for p in runtime.job_parts[ji]}
+        real = job.executor.run_group
+        job.executor.run_group = (lambda key, *a, _ji=ji, _real=real, _stage=stage_of:
+                                  (calls.append((_stage[key], _ji)), _real(key, *a)))
+    for seed in range(2):
+        raws = _mapped_raws(seed)
+        pending = runtime.launch_many(raws)
+        if seed:  # a step that reached only its first two stages
+            stepper = threading.Thread(target=lambda: [runtime.on_enter(s) for s in STAGES[:2]])
+            stepper.start()
+            stepper.join()
+        for out, ref, raw in zip(pending.results(), refs, raws):
+            _assert_same(out, ref(raw))
+        assert pending.timing.opened_by_step == list(STAGES[:2 * seed])
+        # stage by stage, and within a stage job 0's parts before job 1's
+        assert calls == sorted(calls, key=lambda c: (STAGES.index(c[0]), c[1])) and {j for _, j in calls} == {0, 1}
+        calls.clear()
+    runtime.close()
+
+
+def test_mapped_rank_schedules_run_on_the_runtime():
+    """The scheduler's two jobs, kernels split at tight capacities, straight into the runtime."""
+    from recforge.rap.scheduler import mapped_rank_schedules
+
+    def cost_of(compiled, rows):
+        return lambda g: 0.01 + 1e-3 * len(g.nodes) * rows
+
+    jobs = mapped_rank_schedules(PLAN, PLACEMENTS, 0, WORLD, BATCH, dict.fromkeys(STAGES, 1.0),
+                                 dict.fromkeys(STAGES, 0.1), cost_of)
+    assert [s.meta["job"] for _, s in jobs] == ["global", "local"]
+    assert sum(s.meta["split_kernels"] for _, s in jobs) > 0
+    assert sum(len({a.stage for a in s.assignments}) for _, s in jobs) > 2
+    runtime = CorunRuntime(jobs=[(_executor(c), s) for c, s in jobs])
+    raws = _mapped_raws(5)
+    for out, (compiled, _), raw in zip(runtime.launch_many(raws).results(), jobs, raws):
+        _assert_same(out, _executor(compiled)(raw))
+    summary = runtime.summary()
+    assert summary["predicted_kernel_ms"] == pytest.approx(sum(a.predicted_ms for _, s in jobs for a in s.assignments),
+                                                           abs=1e-4)
+    assert summary["kernel_ms_by_job"][1]["predicted_kernel_ms"] == pytest.approx(jobs[1][1].meta["total_predicted_ms"],
+                                                                                  abs=1e-4)  # not split
+    runtime.close()
+
+
+def test_single_job_runtime_through_jobs(compiled):
+    ex = make_executor("fused", PLAN, DS, compiled=compiled)
+    sched = spread_schedule(compiled)
+    runtime = CorunRuntime(jobs=[(ex, sched)])
+    assert runtime.executor is ex and runtime.schedule is sched and runtime.compiled is compiled
+    raw = random_raw_batch(DS, 20, seed=3)
+    pending = runtime.launch(raw)
+    out = pending.result()
+    _assert_same(out, make_executor("fused", PLAN, DS, compiled=compiled)(raw))
+    assert len(pending.results()) == 1 and len(runtime.cycles) == 1  # a second call records nothing again
+    runtime.close()
+
+
+def test_bad_jobs_and_raws_are_named(mapped):
+    global_c, local_c = mapped
+    whole = [whole_kernel_schedule(c, "allreduce", meta={"job": job}) for c, job in zip(mapped, ("global", "local"))]
+    # job 1's schedule names a fused group of job 0
+    foreign = global_c.groups[1].name
+    bad = CorunSchedule(STAGES, [*whole[1].assignments, Assignment("allreduce", foreign, ("C1",), 0.0)],
+                        whole[1].plan_name, meta={"job": "local"})
+    with pytest.raises(ScheduleError, match=rf"job 1 \('local'.*unknown fused group '{foreign}'"):
+        CorunRuntime(jobs=[(_executor(global_c), whole[0]), (_executor(local_c), bad)])
+    # job 0's schedule given to job 1
+    with pytest.raises(ScheduleError, match=r"job 1 .*schedule is for plan .*\.global"):
+        CorunRuntime(jobs=[(_executor(global_c), whole[0]), (_executor(local_c), whole[0])])
+    shared = _executor(global_c)
+    with pytest.raises(CorunConfigError, match="jobs 0 and 1 share one executor"):
+        CorunRuntime(jobs=[(shared, whole[0]), (shared, whole[0])])
+    with pytest.raises(CorunConfigError, match="not both"):
+        CorunRuntime(shared, whole[0], jobs=[(shared, whole[0])])
+    with pytest.raises(CorunConfigError, match="jobs is empty"):
+        CorunRuntime(jobs=[])
+    with pytest.raises(CorunConfigError, match=r"job 1 \('local'\): EagerExecutor is not a fused executor"):
+        CorunRuntime(jobs=[(_executor(global_c), whole[0]), (make_executor("eager", local_c.plan, DS), whole[1])])
+
+    whole[0].meta["rows"], whole[1].meta["rows"] = WORLD * BATCH, BATCH
+    runtime = CorunRuntime(jobs=[(_executor(global_c), whole[0]), (_executor(local_c), whole[1])])
+    global_raw, local_raw = _mapped_raws(0)
+    with pytest.raises(ValueError, match=r"1 raw batches for 2 jobs \['global', 'local'\]"):
+        runtime.launch_many([global_raw])
+    with pytest.raises(ValueError, match="launch_many"):
+        runtime.launch(global_raw)
+    with pytest.raises(BatchError, match=r"job 0 \('global'\): raw batch has 32 rows, its schedule was planned for 64"):
+        runtime.launch_many([local_raw, global_raw])  # swapped
+    narrow = dataclasses.replace(local_raw, dense=local_raw.dense[:, :2], dense_valid=local_raw.dense_valid[:, :2])
+    with pytest.raises(BatchError, match=r"job 1 \('local'\): raw batch has 2 dense columns"):
+        runtime.launch_many([global_raw, narrow])
+    with pytest.raises(AttributeError, match=r"2 jobs \['global', 'local'\]; use runtime.jobs\[i\].executor"):
+        runtime.executor
+    pending = runtime.launch_many([global_raw, local_raw])
+    with pytest.raises(ValueError, match="results"):
+        pending.result()
+    assert len(pending.results()) == 2
+    runtime.close()

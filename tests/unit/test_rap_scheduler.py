@@ -8,8 +8,10 @@ import pytest
 
 from recforge.preprocess.compiler import compile_plan
 from recforge.preprocess.presets import load_plan
+from recforge.preprocess.plan import Plan
 from recforge.rap.cost_model import CostModel
-from recforge.rap.scheduler import group_cost, pack, rank_stages, schedule, select_stages
+from recforge.rap.mapping import Placement
+from recforge.rap.scheduler import group_cost, mapped_rank_schedules, pack, rank_stages, schedule, select_stages
 from recforge.rap.stages import STAGES
 
 
@@ -119,3 +121,95 @@ def test_schedule_names_missing_profile_stages():
     compiled = compile_plan(load_plan("plan0"), method="greedy")
     with pytest.raises(ValueError, match="allreduce"):
         schedule(compiled, {s: 1.0 for s in STAGES[:4]}, dict.fromkeys(STAGES, 1.0), group_cost(FLAT, compiled, 8.0))
+
+
+# ------------------------------------------------------------------ RAP's mapping: a global and a local job per rank
+
+PLAN0 = load_plan("plan0")
+TABLES = PLAN0.sparse_features()
+B, WORLD = 64, 4
+
+
+def rows_cost(compiled, rows):
+    """ms = 0.05 launch + 1e-4 per node and row: depends on rows, so the job's rows are visible in the costs."""
+    return lambda g: 0.05 + 1e-4 * len(g.nodes) * rows
+
+
+def _placements(seed):
+    rng = random.Random(seed)
+    out = {t: Placement("table_wise", (rng.randrange(WORLD),)) for t in TABLES}
+    for t in rng.sample(TABLES, 4):
+        out[t] = Placement(rng.choice(["data_parallel", "column_wise"]), tuple(range(WORLD)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(10))  # seeds 5 and 6 overflow, several split a kernel
+def test_mapped_jobs_share_the_capacity(seed):
+    rng = random.Random(seed)
+    placements = _placements(seed)
+    rank = rng.randrange(WORLD)
+    dur = {s: rng.uniform(0.5, 3.0) for s in STAGES}
+    cap = {s: rng.choice([0.0, 0.1, 0.2, 0.4, 0.8]) for s in STAGES}  # around the jobs' ~1.3 ms: splits, overflow
+    jobs = mapped_rank_schedules(PLAN0, placements, rank, WORLD, B, dur, cap, rows_cost)
+    assert [s.meta["job"] for _, s in jobs] == ["global", "local"]
+    load = dict.fromkeys(STAGES, 0.0)
+    given = []  # (job's schedule, the capacity it was given)
+    for compiled, sched in jobs:
+        sched.validate(compiled)
+        rows = WORLD * B if sched.meta["job"] == "global" else B
+        assert sched.meta["rows"] == rows and sched.meta["rank"] == rank and sched.meta["world_size"] == WORLD
+        assert compiled.plan.name == f"rap_plan0@rank{rank}.{sched.meta['job']}" == sched.plan_name
+        assert sched.meta["stage_capacity_ms"] == cap
+        given.append((sched, sched.meta["capacity_ms"]))
+        for s, ms in sched.predicted_ms_by_stage().items():
+            load[s] += ms
+    # the local job got what the global job left
+    global_load = given[0][0].predicted_ms_by_stage()
+    assert given[1][1] == pytest.approx({s: max(0.0, cap[s] - global_load[s]) for s in STAGES})
+    for s in STAGES:
+        if load[s] <= cap[s] + 1e-9:
+            continue
+        # over capacity only by a job's leftovers, in its last taken stage
+        over = [sch for sch, c in given if sch.predicted_ms_by_stage()[s] > c[s] + 1e-9]
+        assert over and all(sch.meta["taken_stages"][-1] == s for sch in over), (s, load[s], cap[s])
+
+
+def test_mapped_jobs_cost_the_global_job_at_the_global_rows():
+    placements = {t: Placement("table_wise", (0,)) if i % 2 else Placement("data_parallel", tuple(range(WORLD)))
+                  for i, t in enumerate(TABLES)}
+    big = dict.fromkeys(STAGES, 1e6)  # no splits: every assignment is a whole group
+    jobs = mapped_rank_schedules(PLAN0, placements, 0, WORLD, B, dict.fromkeys(STAGES, 1.0), big, rows_cost)
+    for compiled, sched in jobs:
+        rows = sched.meta["rows"]
+        by_name = {g.name: g for g in compiled.groups}
+        assert [a.group for a in sched.assignments] == [g.name for g in compiled.groups]
+        for a in sched.assignments:
+            assert a.predicted_ms == pytest.approx(0.05 + 1e-4 * len(by_name[a.group].nodes) * rows)
+    assert [s.meta["rows"] for _, s in jobs] == [WORLD * B, B]
+    assert sorted(jobs[0][0].plan.sparse_features()) == sorted(TABLES[1::2])
+
+
+def test_a_rank_holding_no_tables_gets_only_the_local_job():
+    placements = {t: Placement("table_wise", (1,)) for t in TABLES}
+    placements["C3"] = Placement("data_parallel", tuple(range(WORLD)))
+    jobs = mapped_rank_schedules(PLAN0, placements, 0, WORLD, B, dict.fromkeys(STAGES, 1.0),
+                                 dict.fromkeys(STAGES, 1.0), rows_cost)
+    assert len(jobs) == 1 and jobs[0][1].meta["job"] == "local" and jobs[0][1].meta["rows"] == B
+    assert jobs[0][0].plan.sparse_features() == ["C3"]
+    assert jobs[0][1].meta["capacity_ms"] == dict.fromkeys(STAGES, 1.0)  # all of it: no global job before it
+
+
+def test_table_wise_only_without_dense_features_gets_only_the_global_job():
+    sparse_only = Plan(name="sparse_only", features=[f for f in PLAN0.features if f.kind == "sparse"])
+    placements = {t: Placement("table_wise", (i % 2,)) for i, t in enumerate(TABLES)}
+    jobs = mapped_rank_schedules(sparse_only, placements, 1, 2, B, dict.fromkeys(STAGES, 1.0),
+                                 dict.fromkeys(STAGES, 1.0), rows_cost)
+    assert len(jobs) == 1 and jobs[0][1].meta["job"] == "global" and jobs[0][1].meta["rows"] == 2 * B
+    assert jobs[0][0].plan.sparse_features() == TABLES[1::2]
+    # a rank with nothing to preprocess
+    alone = {t: Placement("table_wise", (0,)) for t in TABLES}
+    assert mapped_rank_schedules(sparse_only, alone, 1, 2, B, dict.fromkeys(STAGES, 1.0),
+                                 dict.fromkeys(STAGES, 1.0), rows_cost) == []
+    with pytest.raises(ValueError, match="rank 2"):
+        mapped_rank_schedules(sparse_only, alone, 2, 2, B, dict.fromkeys(STAGES, 1.0),
+                              dict.fromkeys(STAGES, 1.0), rows_cost)

@@ -36,6 +36,7 @@ def train(ctx: RunContext) -> dict[str, Any]:
             "mlflow_run_id": run_id,
             "preprocessing": cfg.preprocessing,  # RAP co-run: the schedule plan_resources made (recforge.rap)
             "corun_schedule_path": (plan.get("corun") or {}).get("schedule_path"),
+            "corun_mapping_path": (plan.get("corun") or {}).get("mapping_path"),
             "corun_threads": cfg.corun.threads,
             "preprocessed_dir": str(w.tmp / "preprocessed") if cfg.preprocessing == "offline" else None,
         }

@@ -63,6 +63,15 @@ class RawBatch:
         return RawBatch(*(t.to(device) for t in (self.label, self.dense, self.dense_valid, self.sparse,
                                                  self.sparse_valid)), jagged=self.jagged.to(device))
 
+    @classmethod
+    def concat(cls, parts: list["RawBatch"]) -> "RawBatch":
+        """The rows of `parts` one after another (RAP's global batch from the ranks' local batches)."""
+        if not parts:
+            raise ValueError("RawBatch.concat: no parts")
+        fields = ("label", "dense", "dense_valid", "sparse", "sparse_valid")
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in fields),
+                   jagged=JaggedColumns.concat([p.jagged for p in parts]))
+
     def pad_to(self, n: int) -> tuple["RawBatch", Tensor]:
         """A new batch of n rows (zero rows appended, valid False) and weight float32[n]: 1 real, 0 padding."""
         b = self.rows

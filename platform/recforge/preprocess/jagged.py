@@ -48,6 +48,11 @@ class JaggedColumn:
         return JaggedColumn(self.values.clone(), torch.cat([self.lengths, self.lengths.new_zeros(pad)]),
                             self.valid.clone())
 
+    @classmethod
+    def concat(cls, parts: list["JaggedColumn"]) -> "JaggedColumn":
+        """The rows of `parts` one after another."""
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("values", "lengths", "valid")))
+
     def to(self, device: torch.device | str) -> "JaggedColumn":
         return JaggedColumn(self.values.to(device), self.lengths.to(device), self.valid.to(device))
 
@@ -99,6 +104,14 @@ class JaggedColumns(Mapping[str, JaggedColumn]):
     @property
     def rows(self) -> int | None:
         return next(iter(self._cols.values())).rows if self._cols else None
+
+    @classmethod
+    def concat(cls, parts: list["JaggedColumns"]) -> "JaggedColumns":
+        """The rows of `parts` one after another; every part has the same columns."""
+        names = [list(p) for p in parts]
+        if any(n != names[0] for n in names):
+            raise ValueError(f"JaggedColumns.concat: parts have different columns {names}")
+        return cls({n: JaggedColumn.concat([p[n] for p in parts]) for n in names[0]})
 
     def to(self, device: torch.device | str) -> "JaggedColumns":
         return JaggedColumns({n: c.to(device) for n, c in self._cols.items()})

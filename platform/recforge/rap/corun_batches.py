@@ -31,13 +31,13 @@ class CorunBatch(Batch):
     progress_after: dict[str, int] | None = None  # the source's progress right after this batch was read
 
 
-class CorunTaskBatches(TaskBatches):
-    def __init__(
-        self, client: TaskClient, manifest_dir: str | Path, dataset: DatasetConfig, runtime: CorunRuntime,
-        batch_size: int, device: torch.device, ledger=None, step_boundary: Callable[[], None] | None = None,
-        step_done: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__(client, manifest_dir, dataset, runtime.executor, batch_size, device, ledger=ledger)
+class CorunReadAhead:
+    """The co-run behaviour over a batch source (mixed in before it): reads one batch ahead, completes its
+    preprocessing when handing it out, closes the step's stages. The source's `next()` returns CorunBatch with
+    `pending` set (its prepare step launches the kernels); `complete(batch)` fills dense / sparse."""
+
+    def _init_corun(self, runtime: CorunRuntime, step_boundary: Callable[[], None] | None,
+                    step_done: Callable[[], None] | None) -> None:
         self.runtime = runtime
         self.step_boundary = step_boundary
         self.step_done = step_done
@@ -45,11 +45,8 @@ class CorunTaskBatches(TaskBatches):
         self._primed = False
         self._handed: dict[str, int] = {}
 
-    def prepare(self, raw: RawBatch) -> CorunBatch:
-        padded, weights = raw.pad_to(self.batch_size)
-        return CorunBatch(dense=None, sparse=None, labels=padded.label.to(self.device),
-                          weights=weights.to(self.device), real=raw.rows,
-                          pending=self.runtime.launch(padded))  # the runtime copies it to the device
+    def complete(self, batch: CorunBatch) -> None:
+        batch.dense, batch.sparse = batch.pending.result()
 
     def next(self) -> Batch | None:
         if self.step_boundary is not None:
@@ -59,7 +56,7 @@ class CorunTaskBatches(TaskBatches):
         batch = self._ahead
         if batch is None:
             return None
-        batch.dense, batch.sparse = batch.pending.result()
+        self.complete(batch)
         batch.pending = None
         self._handed = {t: r for t, r in batch.progress_after.items()}
         self._ahead = self._read()  # its kernels wait for the stage boundaries of the step that trains `batch`
@@ -78,7 +75,7 @@ class CorunTaskBatches(TaskBatches):
     def close(self) -> None:
         """Drop the batch read ahead (its task stays leased: the master hands it out again on expiry/restore)."""
         if self._ahead is not None and self._ahead.pending is not None:
-            self._ahead.pending.result()
+            self._ahead.pending.results()
         self._ahead = None
 
     def _read(self) -> CorunBatch | None:
@@ -86,6 +83,22 @@ class CorunTaskBatches(TaskBatches):
         if batch is not None:
             batch.progress_after = super().progress()
         return batch
+
+
+class CorunTaskBatches(CorunReadAhead, TaskBatches):
+    def __init__(
+        self, client: TaskClient, manifest_dir: str | Path, dataset: DatasetConfig, runtime: CorunRuntime,
+        batch_size: int, device: torch.device, ledger=None, step_boundary: Callable[[], None] | None = None,
+        step_done: Callable[[], None] | None = None,
+    ) -> None:
+        TaskBatches.__init__(self, client, manifest_dir, dataset, runtime.executor, batch_size, device, ledger=ledger)
+        self._init_corun(runtime, step_boundary, step_done)
+
+    def prepare(self, raw: RawBatch) -> CorunBatch:
+        padded, weights = raw.pad_to(self.batch_size)
+        return CorunBatch(dense=None, sparse=None, labels=padded.label.to(self.device),
+                          weights=weights.to(self.device), real=raw.rows,
+                          pending=self.runtime.launch(padded))  # the runtime copies it to the device
 
 
 class PreprocessedBatches:

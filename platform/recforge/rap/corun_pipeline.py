@@ -118,14 +118,17 @@ def measured_kernel_cost(compiled: CompiledPlan, timer, batch_size: int):
     return cost
 
 
-def simulated_iteration_ms(plan: Plan, compiled: CompiledPlan, timer, profile, batch_size: int) -> dict[str, float]:
-    """recforge.rap.simulator's iteration time of every method for one worker with `profile`'s stages."""
+def simulated_iteration_ms(plan: Plan, compiled: CompiledPlan, timer, profile, batch_size: int,
+                           placements=None, world_size: int = 1) -> dict[str, float]:
+    """recforge.rap.simulator's iteration time of every method with `profile`'s stages on each of `world_size`
+    workers; without `placements` every table data_parallel (each worker preprocesses its local batch)."""
     from recforge.rap.mapping import Placement
     from recforge.rap.profiler import rank_stages
     from recforge.rap.simulator import SimSetup, simulate
 
-    placements = {f: Placement("data_parallel", (0,)) for f in plan.sparse_features()}
-    setup = SimSetup(plan=plan, placements=placements, batch_size=batch_size, ranks=[rank_stages(profile)],
+    if placements is None:
+        placements = {f: Placement("data_parallel", tuple(range(world_size))) for f in plan.sparse_features()}
+    setup = SimSetup(plan=plan, placements=placements, batch_size=batch_size, ranks=[rank_stages(profile)] * world_size,
                      kernel_cost=measured_kernel_cost(compiled, timer, batch_size), compile_method=compiled.method)
     return {m: round(r.iteration_ms, 4) for m, r in simulate(setup).methods.items()}
 
@@ -150,10 +153,15 @@ def load_schedule(path: str | Path | None, compiled: CompiledPlan, stage: str = 
     return CorunSchedule.from_json(Path(path).read_text())
 
 
-def start_session(spec, plan: Plan, sharded, device: torch.device):
-    """The worker's CorunSession for spec.preprocessing == 'corun', else None."""
+def start_session(spec, plan: Plan, sharded, device: torch.device, mapping=None, rank: int = 0, world_size: int = 1):
+    """The worker's CorunSession for spec.preprocessing == 'corun', else None; with `mapping`
+    (recforge.rap.corun_mapping.WorkerMapping) RAP's mapped co-run."""
     if spec.preprocessing != "corun":
         return None
+    if mapping is not None:
+        from recforge.rap.corun_mapping import mapped_session
+
+        return mapped_session(spec, plan, sharded, mapping, device, rank, world_size)
     from recforge.preprocess.executor import make_executor
     from recforge.rap.corun_session import CorunSession
 
@@ -200,9 +208,13 @@ def log_corun(store, run_id: str, summary: dict[str, Any]) -> dict[str, float]:
     metrics |= {f"rap_stage_ms.{s}": float(v) for s, v in summary.get("measured_stage_ms", {}).items()}
     if set(summary.get("measured_stage_ms") or {}) >= set(STAGES):  # the part of an iteration the stages cover
         metrics["rap_measured_stage_sum_ms"] = sum(float(summary["measured_stage_ms"][s]) for s in STAGES)
+        if "rap_wait_ms" in metrics:  # what the prediction covers: the five stages plus the trainer's wait (unhidden)
+            metrics["rap_measured_stage_iteration_ms"] = metrics["rap_measured_stage_sum_ms"] + metrics["rap_wait_ms"]
     predicted, measured = metrics.get("rap_predicted_iteration_ms"), metrics.get("rap_measured_iteration_ms")
     if predicted and measured:
         metrics["rap_predicted_over_measured_iteration"] = predicted / measured
+    if predicted and metrics.get("rap_measured_stage_iteration_ms"):
+        metrics["rap_predicted_over_measured_stages"] = predicted / metrics["rap_measured_stage_iteration_ms"]
     store.log_metrics(run_id, metrics)
     from recforge.rap.gantt import log_schedule
 
@@ -217,6 +229,13 @@ def log_corun(store, run_id: str, summary: dict[str, Any]) -> dict[str, float]:
         log_schedule(schedule, stage_ms, stage_ms, store, run_id)
     else:
         store.log_dict(run_id, json.loads(schedule.to_json()), "rap/schedule.json")
+    for job, doc in ((summary.get("mapped") or {}).get("schedules") or {}).items():  # each job of the mapped co-run
+        job_schedule = CorunSchedule.from_json(json.dumps(doc))
+        if set(stage_ms) >= set(STAGES) and "stage_capacity_ms" in job_schedule.meta:
+            log_schedule(job_schedule, stage_ms, job_schedule.meta["stage_capacity_ms"], store, run_id,
+                         name=f"rap/schedule_{job}_measured")
+        else:
+            store.log_dict(run_id, doc, f"rap/schedule_{job}.json")
     store.log_dict(run_id, {k: v for k, v in summary.items() if k != "schedule"}, "rap/corun_summary.json")
     return metrics
 
@@ -250,6 +269,28 @@ def plan_and_log_schedule(store, run_id: str, cfg, plan: Plan, world_size: int, 
     if predicted is not None:
         metrics["rap_predicted_iteration_ms"] = predicted
         metrics |= {f"rap_simulated_ms.{m}": v for m, v in sched.meta["simulated_iteration_ms"].items()}
+    mapping = None
+    if cfg.corun.mapping and profile is not None:  # RAP's mapping: placements + each rank's two co-run jobs
+        mapping = plan_and_log_mapping(store, run_id, cfg, plan, world_size, profile, writer)
+        metrics |= {f"rap_mapping_{k}": float(mapping[k]) for k in ("imbalance_before", "imbalance_after",
+                                                                    "predicted_iteration_ms") if mapping[k] is not None}
     store.log_metrics(run_id, metrics)
     return {"schedule_path": str(writer.final / SCHEDULE_FILE), "source": sched.meta.get("source"),
-            "predicted_iteration_ms": predicted, "threads": cfg.corun.threads, "profile": profile_info}
+            "predicted_iteration_ms": predicted, "threads": cfg.corun.threads, "profile": profile_info,
+            "mapping_path": mapping["mapping_path"] if mapping else None,
+            "mapping": {k: v for k, v in mapping.items() if k != "mapping_path"} if mapping else None}
+
+
+def plan_and_log_mapping(store, run_id: str, cfg, plan: Plan, world_size: int, profile, writer) -> dict[str, Any]:
+    """recforge.rap.corun_mapping.plan_mapped_schedules into the stage's outputs; the file and rank 0's job
+    schedules (JSON + Gantt over the profiled stages) into MLflow."""
+    from recforge.rap.corun_mapping import MAPPING_FILE, plan_mapped_schedules
+    from recforge.rap.gantt import log_schedule
+
+    planned = plan_mapped_schedules(cfg, plan, world_size, profile, writer.tmp / MAPPING_FILE)
+    store.log_artifact(run_id, str(writer.tmp / MAPPING_FILE), "rap")
+    for job in planned.pop("per_rank")[0]:
+        log_schedule(job, profile.stage_ms, job.meta["capacity_ms"], store, run_id,
+                     name=f"rap/schedule_rank0_{job.meta['job']}")
+    planned["mapping_path"] = str(writer.final / MAPPING_FILE)
+    return planned

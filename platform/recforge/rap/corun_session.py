@@ -21,7 +21,8 @@ import torch
 from recforge.config import DatasetConfig
 from recforge.preprocess.plan import Plan
 from recforge.rap.corun_batches import CorunTaskBatches
-from recforge.rap.runtime import CorunRuntime, check_plan_in_sharding
+from recforge.rap.mapped_input import MappedInput
+from recforge.rap.runtime import CorunConfigError, CorunRuntime, check_plan_in_sharding
 from recforge.rap.schedule import CorunSchedule
 from recforge.rap.stages import StageTracker
 
@@ -33,13 +34,36 @@ def corun_executor(plan: Plan, dataset: DatasetConfig):
     return make_executor("fused", plan, dataset)
 
 
+def check_jobs_match_sharding(runtime: CorunRuntime, mapped: MappedInput) -> None:
+    """CorunConfigError unless the jobs preprocess exactly what the sharded model's lookups on this rank take: the
+    global job the tables it holds, the local job the data_parallel tables' features."""
+    have = {j.name: set(j.executor.plan.sparse_features()) for j in runtime.jobs}
+    want = {"global": set(mapped.global_features), "local": set(mapped.local_features)}
+    for job in ("global", "local"):
+        if have.get(job, set()) != want[job]:
+            raise CorunConfigError(
+                f"mapped co-run on rank {mapped.rank}: the {job} job preprocesses {sorted(have.get(job, set()))}, "
+                f"the sharded model's lookups take {sorted(want[job])} (placements and schedules from different plans?)")
+
+
 class CorunSession:
-    def __init__(self, plan: Plan, dataset: DatasetConfig, schedule: CorunSchedule, model: torch.nn.Module,
+    def __init__(self, plan: Plan, dataset: DatasetConfig, schedule: CorunSchedule | None, model: torch.nn.Module,
                  device: torch.device | str = "cpu", threads: int = 1, sharding: dict[str, Any] | None = None,
-                 executor=None) -> None:
+                 executor=None, *, jobs=None, mapped: MappedInput | None = None) -> None:
+        """`jobs` + `mapped` (RAP's mapping): the runtime's [(executor, schedule)] from
+        recforge.rap.scheduler.mapped_rank_schedules and the model's MappedInput; the batches are then
+        MappedCorunBatches (global batch of the tables this rank holds, no input all-to-all)."""
         if sharding is not None:
             check_plan_in_sharding(plan.sparse_features(), sharding)
-        self.runtime = CorunRuntime(executor or corun_executor(plan, dataset), schedule, device, threads=threads)
+        if (jobs is None) != (mapped is None):
+            raise CorunConfigError("CorunSession: jobs and mapped go together (RAP's mapping), or neither")
+        if jobs is not None:
+            self.runtime = CorunRuntime(jobs=jobs, device=device, threads=threads)
+        else:
+            self.runtime = CorunRuntime(executor or corun_executor(plan, dataset), schedule, device, threads=threads)
+        self.mapped = mapped
+        if mapped is not None:
+            check_jobs_match_sharding(self.runtime, mapped)
         self.tracker = StageTracker(model, on_enter=self.runtime.on_enter)
         self._last_boundary: float | None = None
         self._stepped = False
@@ -49,8 +73,15 @@ class CorunSession:
     def batches(self, client, manifest_dir: str | Path, dataset: DatasetConfig, batch_size: int,
                 device: torch.device, ledger=None, source_cls: type[CorunTaskBatches] = CorunTaskBatches,
                 ) -> CorunTaskBatches:
-        source = source_cls(client, manifest_dir, dataset, self.runtime, batch_size, device, ledger=ledger,
-                            step_boundary=self.step_boundary, step_done=self.step_done)
+        if self.mapped is not None:
+            from recforge.rap.mapped_batches import MappedCorunBatches
+
+            source = MappedCorunBatches(client, manifest_dir, dataset, self.runtime, batch_size, device,
+                                        self.mapped.rank, self.mapped.world_size, ledger=ledger,
+                                        step_boundary=self.step_boundary, step_done=self.step_done)
+        else:
+            source = source_cls(client, manifest_dir, dataset, self.runtime, batch_size, device, ledger=ledger,
+                                step_boundary=self.step_boundary, step_done=self.step_done)
         self._sources.append(source)
         return source
 
@@ -71,6 +102,8 @@ class CorunSession:
         self._last_boundary = now
 
     def close(self) -> None:
+        if self.mapped is not None:  # torchrec builds the input all-to-all on its first use: was it ever used?
+            self.input_all_to_all_used = not self.mapped.sebc._has_uninitialized_input_dist
         self.step_boundary()
         for s in self._sources:
             s.close()
@@ -79,18 +112,24 @@ class CorunSession:
 
     def summary(self) -> dict[str, Any]:
         """Predicted (the schedule's meta, when its planner gave one) against measured medians, in ms."""
-        meta = self.runtime.schedule.meta
+        schedules = [j.schedule for j in self.runtime.jobs]
+        predicted = [m for sc in schedules if (m := sc.meta.get("predicted_iteration_ms")) is not None]
         stage_ms = {}
         if self.tracker.steps:
             stage_ms = {s: round(statistics.median(t.ms[s] for t in self.tracker.steps), 4)
                         for s in self.tracker.steps[0].ms}
         out = {
-            "plan": self.runtime.schedule.plan_name,
+            "plan": schedules[-1].plan_name if self.mapped is None else schedules[-1].plan_name.rsplit(".", 1)[0],
             "measured_iteration_ms": round(statistics.median(self.iteration_ms), 4) if self.iteration_ms else None,
             "measured_stage_ms": stage_ms,
-            "predicted_iteration_ms": meta.get("predicted_iteration_ms"),
+            "predicted_iteration_ms": max(predicted) if predicted else None,
             "steps": len(self.tracker.steps),
             **self.runtime.summary(),
-            "schedule": json.loads(self.runtime.schedule.to_json()),
+            "schedule": json.loads(schedules[-1].to_json()),
         }
+        if self.mapped is not None:  # one schedule per job, in job order (global first); `schedule` is the local one
+            out["mapped"] = {"input_all_to_all_used": getattr(self, "input_all_to_all_used", None),
+                             "global_features": self.mapped.global_features,
+                             "local_features": self.mapped.local_features,
+                             "schedules": {j.name: json.loads(j.schedule.to_json()) for j in self.runtime.jobs}}
         return out

@@ -248,6 +248,22 @@ def rank_plan(plan: Plan, placements: Mapping[str, Placement], rank: int) -> Pla
     return Plan(name=f"{plan.name}@rank{rank}", features=[f for f in plan.features if f.name in keep])
 
 
+def split_rank_plan(plan: Plan, placements: Mapping[str, Placement], rank: int) -> tuple[Plan | None, Plan | None]:
+    """(local plan, global plan) of `rank`: the features it preprocesses over its local batch (dense features and
+    data_parallel tables) and over the global batch (table_wise / column_wise tables it holds), each in plan order
+    and named '<plan>@rank<r>.local' / '<plan>@rank<r>.global'; None where there is no such feature. The two run
+    over different rows, so each is its own fused plan: the global one gives a KJT of its features (and a
+    [rows, 0] dense tensor), the local one (dense [B, Fd], KJT of its data_parallel features)."""
+    local, global_ = rank_features(plan, placements, rank)
+
+    def sub(names: list[str], suffix: str) -> Plan | None:
+        keep = set(names)
+        feats = [f for f in plan.features if f.name in keep]
+        return Plan(name=f"{plan.name}@rank{rank}.{suffix}", features=feats) if feats else None
+
+    return sub(local, "local"), sub(global_, "global")
+
+
 def node_rows(graph: OpGraph, placements: Mapping[str, Placement], batch_size: int, world_size: int
               ) -> Callable[[Node], float]:
     """Rows a node of a worker's plan processes: the global batch when it feeds a table the worker holds

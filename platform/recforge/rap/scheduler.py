@@ -11,6 +11,9 @@ A kernel's split units are its nodes (recforge.rap.schedule.split_units); part c
 with the part's own fusion degree, so a split pays its launch again. Packing whole prefixes in order and filling
 each stage as far as possible also maximizes the work placed within capacity among order-preserving packings
 (tests check that against exhaustive search).
+
+`mapped_rank_schedules` applies this to RAP's mapping: a rank's global job (the tables it holds, global batch)
+is scheduled first, then its local job (dense and data-parallel features, local batch) into what is left.
 """
 from __future__ import annotations
 
@@ -150,3 +153,45 @@ def rank_schedule(plan: Plan, placements: Mapping[str, Placement], rank: int, wo
     sched = schedule(mine, duration_ms, capacity_ms, group_cost(model, mine, rows, source_width),
                      meta={"rank": rank, "world_size": world_size, "batch_size": batch_size})
     return mine, sched
+
+
+CostOf = Callable[[CompiledPlan, int], Callable[[FusedGroup], float]]  # (compiled, rows) -> a group's ms
+
+
+def mapped_rank_schedules(plan: Plan, placements: Mapping[str, Placement], rank: int, world_size: int,
+                          batch_size: int, duration_ms: Mapping[str, float], capacity_ms: Mapping[str, float],
+                          cost_of: CostOf, method: str = "greedy") -> list[tuple[CompiledPlan, CorunSchedule]]:
+    """RAP's mapping as co-run jobs of `rank`: [(compiled, schedule)] of its global job (the tables it holds
+    table_wise / column_wise, over the global batch: world_size * batch_size rows) and then its local job
+    (dense features and data_parallel tables, over its batch_size rows), each present only when it has a feature
+    (recforge.rap.mapping.split_rank_plan); [] when the rank preprocesses nothing. Run them with
+    CorunRuntime(jobs=...) in this order (build each job's FusedExecutor from its compiled plan: the schedule
+    names its groups).
+
+    The global job is scheduled first into the stages' spare capacity, with its groups' costs at the global rows
+    (`cost_of(compiled, rows)`: e.g. group_cost(model, compiled, rows) or a timer); the local job then gets the
+    capacity the global job left, max(0, capacity - global load) per stage, at the local rows. So the two loads
+    in a stage stay within its capacity except where a job's leftovers went into its last taken stage (§3.4 step
+    4). Each schedule's meta: job ('global' / 'local'), rows, rank, world_size, batch_size, stage_capacity_ms (the
+    stage's whole capacity; `capacity_ms` is what that job was given)."""
+    from recforge.preprocess.compiler import compile_plan
+    from recforge.rap.mapping import split_rank_plan
+
+    if not 0 <= rank < world_size:
+        raise ValueError(f"mapped_rank_schedules: rank {rank} is not in [0, world_size={world_size})")
+    if batch_size < 1:
+        raise ValueError(f"mapped_rank_schedules: batch_size must be >= 1, got {batch_size}")
+    local, global_ = split_rank_plan(plan, placements, rank)
+    left = dict(capacity_ms)
+    out = []
+    for job, sub, rows in (("global", global_, world_size * batch_size), ("local", local, batch_size)):
+        if sub is None:
+            continue
+        compiled = compile_plan(sub, method=method)
+        sched = schedule(compiled, duration_ms, left, cost_of(compiled, rows),
+                         meta={"job": job, "rows": rows, "rank": rank, "world_size": world_size,
+                               "batch_size": batch_size, "stage_capacity_ms": dict(capacity_ms)})
+        load = sched.predicted_ms_by_stage()
+        left = {s: max(0.0, left[s] - load.get(s, 0.0)) for s in left}
+        out.append((compiled, sched))
+    return out

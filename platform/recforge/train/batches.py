@@ -87,9 +87,12 @@ class TaskBatches:
                 return None
         start, end = self._offset, min(self._offset + self.batch_size, self._raw.rows)
         self._offset = end
-        batch = self.prepare(slice_raw(self._raw, start, end))
+        return self.stamp(self.prepare(slice_raw(self._raw, start, end)), start, end, last=end >= self._raw.rows)
+
+    def stamp(self, batch: Batch, start: int, end: int, last: bool) -> Batch:
+        """Mark `batch` as rows [start, end) of the current task (`last`: its last batch)."""
         batch.task_id = self._task.task_id
-        batch.last_of_task = end >= self._raw.rows
+        batch.last_of_task = last
         batch.epoch, batch.shard = self._task.epoch, self._task.shard
         batch.row_start, batch.row_end = self._task.row_start + start, self._task.row_start + end
         batch.task_rows = self._raw.rows

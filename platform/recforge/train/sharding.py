@@ -7,12 +7,17 @@ fused_embeddings=False: the plain (dense) EBC kernel; gradients are full dense t
 optimizer steps them. torchrec 1.8 allows the DENSE kernel only with data_parallel sharding.
 
 Dense params (bottom/over arch, DDP-replicated) always use Adam(dense_lr).
+
+shard_model(..., placements=...): the plan comes from given per-table placements (recforge.rap.mapping: the RAP
+mapping MILP's choice) instead of the planner; table_wise / column_wise get the FUSED kernel, data_parallel the
+dense one, under the same constraints the planner gets from TrainConfig (sharding_constraints).
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +33,9 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from recforge.config import TrainConfig
 from recforge.train.model import EBC_PATH
+
+if TYPE_CHECKING:
+    from recforge.rap.mapping import Placement
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +99,19 @@ def shard_model(
     pg: dist.ProcessGroup | None = None,
     embedding_optimizer: str = "rowwise_adagrad",
     dense_optimizer: str = "adam",
+    placements: Mapping[str, Placement] | None = None,
 ) -> ShardedModel:
     """Wrap `model` (an unsharded DLRM from build_dlrm) in DMP; needs an initialized process group.
 
     The sharded model starts from `model`'s weights on every rank (torchrec copies them only for
     CUDA modules, so they are loaded back explicitly here).
+
+    placements: {table: recforge.rap.mapping.Placement} for every table of the model; the plan is built from
+    them (mapping.to_torchrec), not by the planner. Every rank must pass the same placements (as every rank
+    calls shard_model collectively): they are compared across `pg` and a mismatch raises on all ranks.
+    Checked first (ValueError naming the table): exactly the model's tables, ranks < world_size, column_wise
+    over distinct ranks into equal shards of a multiple of 4 columns, each kind allowed by
+    sharding_constraints(train) (table_wise / column_wise need fused_embeddings).
     """
     if embedding_optimizer not in EMBEDDING_OPTIMIZERS:
         raise ValueError(f"embedding_optimizer: {embedding_optimizer!r}; choose one of {sorted(EMBEDDING_OPTIMIZERS)}")
@@ -109,15 +125,11 @@ def shard_model(
     emb_cls = EMBEDDING_OPTIMIZERS[embedding_optimizer]
     emb_kwargs = _optimizer_kwargs(embedding_optimizer, train.embedding_lr)
 
-    topology = TopologyFactory.create_topology(
-        trainer_config=TrainerConfig(world_size=world_size),
-        kernel_config=KernelConfig(compute_device=device.type),
-    )
-    planner = EmbeddingShardingPlanner(
-        topology=topology, constraints=sharding_constraints(train, table_names), debug=False
-    )
     sharders = [EmbeddingBagCollectionSharder()]
-    plan = planner.collective_plan(model, sharders, pg)
+    if placements is None:
+        plan = make_planner(train, table_names, world_size, device.type).collective_plan(model, sharders, pg)
+    else:
+        plan = placement_plan(ebc, placements, train, world_size, device.type, pg)
     # The optimizer goes into backward only for tables the planner gave the FUSED kernel: a
     # data_parallel table keeps the original parameter, where an in-backward hook would step it on
     # the local gradient before DDP's all-reduce (and again in the regular optimizer).
@@ -142,3 +154,79 @@ def shard_model(
     sharded = ShardedModel(model=dmp, optimizer=CombinedOptimizer(optimizers), plan=plan)
     log.info("sharding plan: %s", sharded.plan_summary())
     return sharded
+
+
+def make_planner(train: TrainConfig, table_names: list[str], world_size: int,
+                 device_type: str) -> EmbeddingShardingPlanner:
+    """TorchRec's planner as shard_model runs it (also what recforge.rap.mapping_plan compares the mapping with)."""
+    topology = TopologyFactory.create_topology(
+        trainer_config=TrainerConfig(world_size=world_size),
+        kernel_config=KernelConfig(compute_device=device_type),
+    )
+    return EmbeddingShardingPlanner(
+        topology=topology, constraints=sharding_constraints(train, table_names), debug=False
+    )
+
+
+def placement_kernel(kind: str) -> str:
+    """The compute kernel a placement gets: torchrec runs data_parallel only on the dense kernel, and the
+    model-parallel kinds on the fused one (the dense kernel is refused there)."""
+    return "dense" if kind == "data_parallel" else "fused"
+
+
+def check_placements(placements: Mapping[str, Placement], table_dims: Mapping[str, int], world_size: int,
+                     train: TrainConfig) -> None:
+    """ValueError naming the table unless `placements` fit the model's tables (name -> embedding dim), the world
+    and the kinds / kernels TrainConfig allows (the constraints the planner path gets)."""
+    missing, extra = sorted(set(table_dims) - set(placements)), sorted(set(placements) - set(table_dims))
+    if missing or extra:
+        raise ValueError(f"placements: tables {missing} of the model have none, and {extra} are not tables of the "
+                         f"model (its tables: {sorted(table_dims)})")
+    constraints = sharding_constraints(train, list(table_dims))
+    everyone = tuple(range(world_size))
+    for table, p in placements.items():
+        allowed = constraints[table]
+        if p.kind not in allowed.sharding_types or placement_kernel(p.kind) not in allowed.compute_kernels:
+            raise ValueError(
+                f"placements: table {table!r} is {p.label()}, which needs the {placement_kernel(p.kind)} kernel; "
+                f"train.sharding={train.sharding!r}, fused_embeddings={train.fused_embeddings} allow "
+                f"{allowed.sharding_types} with kernels {allowed.compute_kernels}")
+        bad = [r for r in p.ranks if not 0 <= r < world_size]
+        if bad or not p.ranks:
+            raise ValueError(f"placements: table {table!r} ({p.label()}) has ranks {bad or '[]'} outside "
+                             f"0..{world_size - 1} (world_size {world_size})")
+        if p.kind == "table_wise" and len(p.ranks) != 1:
+            raise ValueError(f"placements: table {table!r}: table_wise takes one rank, got {list(p.ranks)}")
+        if p.kind == "data_parallel" and tuple(p.ranks) != everyone:
+            raise ValueError(f"placements: table {table!r}: data_parallel spans every rank {list(everyone)}, "
+                             f"got {list(p.ranks)}")
+        if p.kind == "column_wise":
+            k, dim = len(p.ranks), table_dims[table]
+            if len(set(p.ranks)) != k or dim % k or (dim // k) % 4:
+                raise ValueError(f"placements: table {table!r}: column_wise over ranks {list(p.ranks)} needs distinct "
+                                 f"ranks and {dim} columns split into {k} equal shards of a multiple of 4 columns")
+
+
+def _check_same_on_every_rank(placements: Mapping[str, Placement], pg: dist.ProcessGroup) -> None:
+    mine = sorted((t, p.kind, tuple(p.ranks)) for t, p in placements.items())
+    everyone: list[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(everyone, mine, group=pg)
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        raise ValueError(f"placements: ranks {differ} passed placements that differ from rank 0's; every rank must "
+                         "pass the same placements to shard_model")
+
+
+def placement_plan(ebc: torch.nn.Module, placements: Mapping[str, Placement], train: TrainConfig, world_size: int,
+                   device_type: str, pg: dist.ProcessGroup | None = None) -> ShardingPlan:
+    """The ShardingPlan (under EBC_PATH) that puts each table where `placements` says, checked (check_placements;
+    with `pg`, also equal on every rank)."""
+    from recforge.rap.mapping import to_torchrec
+
+    if pg is not None:  # first: ranks that disagree all fail here, none waits in a later collective
+        _check_same_on_every_rank(placements, pg)
+    check_placements(placements, {c.name: c.embedding_dim for c in ebc.embedding_bag_configs()}, world_size, train)
+    module_plan = to_torchrec(placements, ebc, world_size, device_type=device_type)
+    for table, ps in module_plan.items():  # to_torchrec leaves torchrec's default kernel (dense) everywhere
+        ps.compute_kernel = placement_kernel(placements[table].kind)
+    return ShardingPlan({EBC_PATH: module_plan})

@@ -36,6 +36,8 @@ class WorkerSpec(BaseModel):
         "inline", description="corun: RAP co-running; offline: train from preprocessed_dir (recforge.rap)")
     preprocessed_dir: Path | None = Field(None, description="offline: rows preprocessed before training")
     corun_schedule_path: Path | None = Field(None, description="co-run schedule JSON (default: every kernel in mlp_bwd)")
+    corun_mapping_path: Path | None = Field(None, description="RAP mapping JSON (recforge.rap.corun_mapping): table "
+                                            "placements + per-rank co-run jobs; ids preprocessed on their table's owner")
     corun_threads: int = Field(1, ge=1, description="intra-op threads of the co-run thread")
 
     @model_validator(mode="after")

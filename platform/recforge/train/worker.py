@@ -82,11 +82,15 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> d
     tables, num_dense = plan.tables(), len(plan.dense_features())
     torch.manual_seed(spec.seed)
     model = build_dlrm(spec.model, tables, num_dense, device)
-    sharded = shard_model(model, spec.train, world_size=world_size, device=device)
-    executor = make_executor(spec.preprocess_executor, plan, spec.dataset)  # PipelineConfig.preprocess_executor
+    from recforge.rap.corun_mapping import worker_mapping
     from recforge.rap.corun_pipeline import epoch_source, start_session
 
-    corun = start_session(spec, plan, sharded, device)  # RAP co-running (spec.preprocessing == "corun"), else None
+    mapping = worker_mapping(spec, world_size, rank)  # RAP's mapping (co-run with a planned mapping), else None
+    sharded = shard_model(model, spec.train, world_size=world_size, device=device,
+                          placements=mapping.placements if mapping is not None else None)
+    executor = make_executor(spec.preprocess_executor, plan, spec.dataset)  # PipelineConfig.preprocess_executor
+    # RAP co-running (spec.preprocessing == "corun"), else None; under the mapping without the input all-to-all
+    corun = start_session(spec, plan, sharded, device, mapping=mapping, rank=rank, world_size=world_size)
     bs = spec.train.batch_size
     micro = per_rank // accumulation  # rows per forward; a step is `accumulation` of them on every rank
     zero_batch = empty(spec.dataset, micro, executor, device)

@@ -1,0 +1,160 @@
+"""RAP's mapping in the daily pipeline: planned with the schedule, executed by the workers.
+
+plan_resources  `plan_mapped_schedules`: the mapping MILP (recforge.rap.mapping_plan) places every table for the
+                job's world size; then each rank's two co-run jobs (its tables over the global batch, its dense and
+                data-parallel features over its local batch) are scheduled (recforge.rap.scheduler.
+                mapped_rank_schedules) with every fused group timed at its job's rows. Written as one JSON
+                (MAPPING_FILE: placements, per-rank schedules, imbalance before / after) next to the schedule.
+worker          `worker_mapping`: the placements and this rank's jobs, when the file was planned for this world size
+                (after a DLRover rescale to another size the job runs unmapped co-run and says so); shard_model takes
+                the placements, `mapped_session` the jobs (recforge.rap.mapped_input skips the input all-to-all).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recforge.config import DatasetConfig
+from recforge.preprocess.plan import Plan
+from recforge.rap.mapping import Placement, split_rank_plan
+from recforge.rap.schedule import CorunSchedule
+
+log = logging.getLogger(__name__)
+MAPPING_FILE = "corun_mapping.json"
+MAPPING_VERSION = 1
+COMPILE_METHOD = "greedy"  # the workers' executors compile the rank plans the way their schedules were planned
+
+
+class MappingFileError(ValueError):
+    """The mapping file is not one this version wrote, or does not fit the plan; the message names the key."""
+
+
+@dataclass
+class WorkerMapping:
+    placements: dict[str, Placement]
+    schedules: list[CorunSchedule]  # this rank's jobs, global first
+    world_size: int
+    batch_size: int
+
+
+def write_mapping(path: Path, placements: dict[str, Placement], per_rank: list[list[CorunSchedule]], world_size: int,
+                  batch_size: int, info: dict[str, Any]) -> None:
+    from recforge.rap.mapping_plan import placements_to_json
+
+    doc = {"version": MAPPING_VERSION, "world_size": world_size, "batch_size": batch_size, "method": COMPILE_METHOD,
+           "placements": json.loads(placements_to_json(placements)), "info": info,
+           "ranks": [[json.loads(s.to_json()) for s in jobs] for jobs in per_rank]}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
+
+
+def load_mapping(path: str | Path, world_size: int, rank: int) -> WorkerMapping | None:
+    """This rank's part of the mapping file; None (logged) when it was planned for another world size."""
+    from recforge.rap.mapping_plan import placements_from_json
+
+    doc = json.loads(Path(path).read_text())
+    for key in ("version", "world_size", "batch_size", "placements", "ranks"):
+        if key not in doc:
+            raise MappingFileError(f"mapping file {path}: key {key!r} missing")
+    if doc["version"] != MAPPING_VERSION:
+        raise MappingFileError(f"mapping file {path}: version {doc['version']}, this code reads {MAPPING_VERSION}")
+    if doc["world_size"] != world_size:
+        log.warning("RAP mapping %s was planned for %d workers, the job runs %d: co-run without the mapping",
+                    path, doc["world_size"], world_size)
+        return None
+    if len(doc["ranks"]) != world_size:
+        raise MappingFileError(f"mapping file {path}: {len(doc['ranks'])} ranks of schedules for world size {world_size}")
+    placements = placements_from_json(json.dumps(doc["placements"]))
+    schedules = [CorunSchedule.from_json(json.dumps(s)) for s in doc["ranks"][rank]]
+    return WorkerMapping(placements, schedules, world_size, int(doc["batch_size"]))
+
+
+def mapped_jobs(plan: Plan, dataset: DatasetConfig, mapping: WorkerMapping, rank: int) -> list[tuple[Any, CorunSchedule]]:
+    """(executor, schedule) per job of `rank`, global first, each executor compiling its rank plan as planned."""
+    from recforge.preprocess.executors.fused import FusedExecutor
+
+    local, global_ = split_rank_plan(plan, mapping.placements, rank)
+    subs = {"global": global_, "local": local}
+    jobs = []
+    for sched in mapping.schedules:
+        job = sched.meta.get("job")
+        sub = subs.get(job)
+        if sub is None:
+            raise MappingFileError(f"mapping: rank {rank}'s schedule for job {job!r} has no plan under these placements")
+        if sched.plan_name != sub.name:
+            raise MappingFileError(f"mapping: rank {rank}'s {job} schedule is for plan {sched.plan_name!r}, "
+                                   f"expected {sub.name!r}")
+        jobs.append((FusedExecutor(sub, dataset, method=COMPILE_METHOD), sched))
+    missing = [j for j, sub in subs.items() if sub is not None and j not in {s.meta.get("job") for s in mapping.schedules}]
+    if missing:
+        raise MappingFileError(f"mapping: rank {rank} has no schedule for its {missing} job(s)")
+    return jobs
+
+
+def worker_mapping(spec, world_size: int, rank: int) -> WorkerMapping | None:
+    """The mapping a worker runs under (spec.preprocessing 'corun' with a mapping file), else None."""
+    if spec.preprocessing != "corun" or getattr(spec, "corun_mapping_path", None) is None:
+        return None
+    return load_mapping(spec.corun_mapping_path, world_size, rank)
+
+
+def mapped_session(spec, plan: Plan, sharded, mapping: WorkerMapping, device: torch.device, rank: int,
+                   world_size: int):
+    """The worker's CorunSession under the mapping (its sharded model already placed by mapping.placements)."""
+    from recforge.rap.corun_session import CorunSession
+    from recforge.rap.mapped_input import MappedInput
+
+    mapped = MappedInput.install(sharded.model, rank, world_size)
+    return CorunSession(plan, spec.dataset, None, sharded.model, device, threads=spec.corun_threads,
+                        sharding=sharded.plan_summary(), jobs=mapped_jobs(plan, spec.dataset, mapping, rank),
+                        mapped=mapped)
+
+
+def plan_mapped_schedules(cfg, plan: Plan, world_size: int, profile, out_path: Path) -> dict[str, Any]:
+    """The job's mapping at planning time (see the module docstring): placements, every rank's job schedules, the
+    simulator's predicted iteration time under them, written to `out_path`. Returns what plan_resources records."""
+    from recforge.preprocess.executors.fused import FusedExecutor
+    from recforge.rap.corun_pipeline import group_timer, simulated_iteration_ms
+    from recforge.rap.mapping_plan import plan_mapping, planner_placements
+    from recforge.rap.scheduler import mapped_rank_schedules
+
+    dataset, batch = cfg.dataset(), cfg.train.batch_size
+    full = FusedExecutor(plan, dataset, method=COMPILE_METHOD)
+    timer = group_timer(full, dataset, batch)
+    if cfg.train.sharding == "auto" and cfg.train.fused_embeddings:
+        result = plan_mapping(plan, dataset, plan.tables(), cfg.model.embedding_dim, world_size, batch, profile, timer,
+                              model=cfg.model, train=cfg.train, compiled=full.compiled)
+        placements, how = result.placements, f"mapping MILP ({result.status})"
+        info = {k: result.info.get(k) for k in ("before", "after", "before_error") if k in result.info}
+    else:  # the user fixed the sharding type: torchrec's planner places the tables under it, the mapping follows
+        placements = planner_placements(plan.tables(), cfg.model.embedding_dim, world_size, cfg.train, model=cfg.model,
+                                        num_dense=len(plan.dense_features()))
+        how, info = f"TorchRec planner under train.sharding={cfg.train.sharding!r}", {}
+
+    def cost_of(compiled, rows: int):
+        return group_timer(FusedExecutor(compiled.plan, dataset, compiled=compiled), dataset, rows)
+
+    per_rank = [[s for _, s in mapped_rank_schedules(plan, placements, r, world_size, batch, profile.stage_ms,
+                                                      profile.capacity_ms, cost_of, method=COMPILE_METHOD)]
+                for r in range(world_size)]
+    simulated = simulated_iteration_ms(plan, full.compiled, timer, profile, batch, placements=placements,
+                                       world_size=world_size)
+    for jobs in per_rank:
+        for s in jobs:
+            s.meta["predicted_iteration_ms"] = simulated["rap"]
+            s.meta["predicted_by"] = "recforge.rap.simulator, method rap, under these placements (all ranks)"
+    info |= {"placed_by": how, "simulated_iteration_ms": simulated}
+    write_mapping(out_path, placements, per_rank, world_size, batch, info)
+    kinds: dict[str, int] = {}
+    for p in placements.values():
+        kinds[p.kind] = kinds.get(p.kind, 0) + 1
+    return {"mapping_path": str(out_path), "placed_by": how, "placement_kinds": kinds,
+            "imbalance_before": (info.get("before") or {}).get("imbalance"),
+            "imbalance_after": (info.get("after") or {}).get("imbalance"),
+            "predicted_iteration_ms": simulated["rap"], "per_rank": per_rank}
