@@ -86,6 +86,9 @@ def test_train_task_runs_corun_and_offline(recforge_home):
     torch.testing.assert_close(probe["offline"]["logits"], probe["inline"]["logits"], rtol=1e-4, atol=1e-5)
     off_run = TrackingStore().stage_runs("recforge_daily", "offline")["train"]
     assert off_run.data.metrics["offline_preprocess_s"] > 0
+    # the preprocessed copy is gone once the job trained (it was there: its size is logged)
+    assert off_run.data.metrics["offline_preprocessed_bytes"] > 0
+    assert not (recforge_home / "runs" / "recforge_daily" / "offline" / "train" / "preprocessed").exists()
 
 
 def test_corun_with_rap_mapping_on_two_workers(recforge_home):
@@ -107,6 +110,12 @@ def test_corun_with_rap_mapping_on_two_workers(recforge_home):
         assert "local" in jobs and ("global" in jobs) == bool(held[r])
         if held[r]:
             assert jobs["global"].meta["rows"] == 2 * 128 and jobs["local"].meta["rows"] == 128
+    # the job was profiled on 2 processes, collectives included
+    key = ProfileKey.of(ModelConfig(), [tuple(t) for t in planned["tables"]], 2, 128, "cpu")
+    profile = StageProfile.load(recforge_home / "rap" / "profiles", key)
+    assert corun["profile"]["origin"] == "profiled"
+    assert profile.meta["profiled_world_size"] == 2 and profile.meta["single_process"] is False
+    assert all(profile.stage_ms[s] > 0 for s in STAGES)
     assert corun["mapping"]["imbalance_after"] is not None
     assert corun["mapping"]["predicted_iteration_ms"] > 0
     worker = json.loads((recforge_home / "runs" / "recforge_daily" / "mapped" / "train" / "worker" /

@@ -62,6 +62,9 @@ def train(ctx: RunContext) -> dict[str, Any]:
             scaler=scaler,
         )
         dlrover = train_dlrover.finish(store, run_id, scaler, result.attempts)
+        if cfg.preprocessing == "offline":  # the preprocessed copy of the training data served this job only
+            from recforge.rap.corun_pipeline import drop_offline_data
+            drop_offline_data(store, run_id, w.tmp / "preprocessed")
         worker = json.loads((w.tmp / "worker" / "result.json").read_text())
         store.log_metrics(run_id, {"samples_per_s": worker["samples_per_s"], "steps": worker["steps"],
                                    "final_train_loss": worker["final_loss"], "wall_s": worker["wall_s"]})

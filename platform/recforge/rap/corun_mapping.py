@@ -75,8 +75,12 @@ def load_mapping(path: str | Path, world_size: int, rank: int) -> WorkerMapping 
     return WorkerMapping(placements, schedules, world_size, int(doc["batch_size"]))
 
 
-def mapped_jobs(plan: Plan, dataset: DatasetConfig, mapping: WorkerMapping, rank: int) -> list[tuple[Any, CorunSchedule]]:
-    """(executor, schedule) per job of `rank`, global first, each executor compiling its rank plan as planned."""
+def mapped_jobs(plan: Plan, dataset: DatasetConfig, mapping: WorkerMapping, rank: int,
+                batch_size: int | None = None) -> list[tuple[Any, CorunSchedule]]:
+    """(executor, schedule) per job of `rank`, global first, each executor compiling its rank plan as planned.
+    `batch_size`: the local batch the worker really runs (gradient accumulation splits the planned one): the
+    schedules' `rows` follow it (their kernels do not depend on it; the planned rows stay in `planned_rows`)."""
+    batch_size = batch_size or mapping.batch_size
     from recforge.preprocess.executors.fused import FusedExecutor
 
     local, global_ = split_rank_plan(plan, mapping.placements, rank)
@@ -90,6 +94,9 @@ def mapped_jobs(plan: Plan, dataset: DatasetConfig, mapping: WorkerMapping, rank
         if sched.plan_name != sub.name:
             raise MappingFileError(f"mapping: rank {rank}'s {job} schedule is for plan {sched.plan_name!r}, "
                                    f"expected {sub.name!r}")
+        rows = batch_size * (mapping.world_size if job == "global" else 1)
+        if sched.meta.get("rows") != rows:
+            sched.meta["planned_rows"], sched.meta["rows"] = sched.meta.get("rows"), rows
         jobs.append((FusedExecutor(sub, dataset, method=COMPILE_METHOD), sched))
     missing = [j for j, sub in subs.items() if sub is not None and j not in {s.meta.get("job") for s in mapping.schedules}]
     if missing:
@@ -105,14 +112,14 @@ def worker_mapping(spec, world_size: int, rank: int) -> WorkerMapping | None:
 
 
 def mapped_session(spec, plan: Plan, sharded, mapping: WorkerMapping, device: torch.device, rank: int,
-                   world_size: int):
+                   world_size: int, batch_size: int):
     """The worker's CorunSession under the mapping (its sharded model already placed by mapping.placements)."""
     from recforge.rap.corun_session import CorunSession
     from recforge.rap.mapped_input import MappedInput
 
     mapped = MappedInput.install(sharded.model, rank, world_size)
     return CorunSession(plan, spec.dataset, None, sharded.model, device, threads=spec.corun_threads,
-                        sharding=sharded.plan_summary(), jobs=mapped_jobs(plan, spec.dataset, mapping, rank),
+                        sharding=sharded.plan_summary(), jobs=mapped_jobs(plan, spec.dataset, mapping, rank, batch_size),
                         mapped=mapped)
 
 

@@ -153,15 +153,17 @@ def load_schedule(path: str | Path | None, compiled: CompiledPlan, stage: str = 
     return CorunSchedule.from_json(Path(path).read_text())
 
 
-def start_session(spec, plan: Plan, sharded, device: torch.device, mapping=None, rank: int = 0, world_size: int = 1):
+def start_session(spec, plan: Plan, sharded, device: torch.device, mapping=None, rank: int = 0, world_size: int = 1,
+                  batch_size: int | None = None):
     """The worker's CorunSession for spec.preprocessing == 'corun', else None; with `mapping`
-    (recforge.rap.corun_mapping.WorkerMapping) RAP's mapped co-run."""
+    (recforge.rap.corun_mapping.WorkerMapping) RAP's mapped co-run over local batches of `batch_size` rows."""
     if spec.preprocessing != "corun":
         return None
     if mapping is not None:
         from recforge.rap.corun_mapping import mapped_session
 
-        return mapped_session(spec, plan, sharded, mapping, device, rank, world_size)
+        return mapped_session(spec, plan, sharded, mapping, device, rank, world_size,
+                              batch_size or mapping.batch_size)
     from recforge.preprocess.executor import make_executor
     from recforge.rap.corun_session import CorunSession
 
@@ -196,6 +198,17 @@ def preprocess_offline(store, run_id: str, manifest_dir: str, plan_path: str, da
     rows = sum(index["shard_rows"])
     store.log_metrics(run_id, {"offline_preprocess_s": seconds, "offline_preprocess_rows_per_s": rows / max(seconds, 1e-9)})
     return {"rows": rows, "seconds": seconds}
+
+
+def drop_offline_data(store, run_id: str, preprocessed_dir: Path) -> int:
+    """After the job trained: delete the offline-preprocessed rows (a second copy of the training data that the
+    stage's outputs would otherwise keep); their size is logged as offline_preprocessed_bytes."""
+    import shutil
+
+    size = sum(f.stat().st_size for f in Path(preprocessed_dir).rglob("*") if f.is_file())
+    shutil.rmtree(preprocessed_dir)
+    store.log_metrics(run_id, {"offline_preprocessed_bytes": float(size)})
+    return size
 
 
 def log_corun(store, run_id: str, summary: dict[str, Any]) -> dict[str, float]:

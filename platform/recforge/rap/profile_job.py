@@ -2,23 +2,27 @@
 
     profile = profile_job(cfg, plan, world_size, manifest_dir, threads=resources.threads_per_worker)
 
-One process, a single-rank gloo group, the job's model (build_dlrm + shard_model, seeded as the worker seeds it),
-its optimizers and loss, on the job's first training batches (read from the train manifest and preprocessed by
-the job's executor, padded to the batch size, cycled). recforge.rap.profiler.StageProfiler measures the stage
-durations and grows RAP's proxy kernel (fused ngram) on a background thread with the co-run thread budget;
-each proxy size is compared with steps without it interleaved with its own (`paired`: the load of a shared
-machine drifts during the search). Cost on the demo job (2 shared cores, batch 128-512): 0.3-2.5 s.
+The job's model (build_dlrm + shard_model, seeded as the worker seeds it), its optimizers and loss, on the job's
+first training batches (read from the train manifest and preprocessed by the job's executor, padded to the batch
+size, cycled), on as many ranks as the job has workers: world size 1 in this process (a single-rank group), more
+as that many processes (recforge.rap.profile_ranks), so the collectives and the workers' contention for the
+machine are in the measured stages. recforge.rap.profiler.StageProfiler (rank 0 leads; every rank co-runs the
+proxy where rank 0 puts it) measures the stage durations and grows RAP's proxy kernel (fused ngram) on a
+background thread with the co-run thread budget; each proxy size is compared with steps without it interleaved
+with its own (`paired`: the load of a shared machine drifts during the search).
 
-Honest limits, also written into the profile's meta:
-  * single process: with world_size > 1 the collectives (input / pooled-embedding all-to-all, the dense
-    all-reduce) are not in the measured stages; the profile is stored under the job's world size anyway (the
-    issue asks for a cheap single-process run), marked `single_process: true`.
+Measured on this 2-core machine (plan 0, batch 4096, 1 trainer + 1 co-run thread per rank), idle otherwise:
+  * 1 rank: capacity 1.1 / 4.9 / 12.0 / 2.4 / 0 ms in stages of 4.1 / 9.5 / 14.9 / 3.8 / 1.2 ms (the co-run
+    thread has the second core to itself).
+  * 2 ranks: stages 12.5 / 9.8 / 15.7 / 15.0 / 3.0 ms (all-to-alls and all-reduce in them), capacity ~0: two
+    trainers and two co-run threads on two cores leave no spare core, so the scheduler puts the kernels into its
+    last stage. Under other load (five jobs on the two cores) even one rank measures ~0.
+Honest limits, also in the profile's meta:
   * CPU threshold: 10% (CPU_THRESHOLD), not RAP's 2%: on a shared 2-core box a stage's median over a few steps
     moves by more than 2% from run to run, so a 2% search would stop at noise. On CUDA the 2% of the paper.
-    Measured here: one proxy unit (~0.03 ms alone) already slows the demo's sub-ms to 2 ms stages by 7-48% (the
-    thread hand-off and the cores the other processes use), so most stages get capacity 0 on this CPU and the
-    scheduler puts the kernels into its last stage; capacities differ from run to run (noisy, stored as measured).
-  * the CUDA path (nccl group, proxy on a low-priority stream) has not run: no GPU here.
+  * the profile is of the unmapped model (torchrec's planner placement, input all-to-all included in emb_fwd):
+    the placements are chosen from it (recforge.rap.mapping_plan).
+  * the CUDA path (nccl group, one GPU per rank, proxy on a low-priority stream) has not run: no GPU here.
   * the proxy's size is capped (max_units) so the search stays short: a stage whose capacity reaches the cap
     is reported at the cap (meta `capped_stages`).
 """
@@ -94,80 +98,166 @@ def proxy_units(rows: int, longest_stage_ms: float, unit_ms: float) -> int:
     return int(max(1, min(want, MAX_UNITS, by_memory)))
 
 
-def profile_job(cfg, plan: Plan, world_size: int, manifest_dir: str | Path, threads: int = 1,
-                device: str | torch.device = "cpu", dataset=None) -> StageProfile:
-    """The job's StageProfile (not stored: store_and_log does). `cfg`: the PipelineConfig; `dataset`: the
-    manifest's schema (default cfg.dataset())."""
+def job_step(cfg, plan: Plan, dataset, manifest_dir: str | Path, world_size: int, device: torch.device):
+    """The job's training step as a worker runs it (needs the process group): (tracker, step, steps served).
+    Every rank builds the model from the worker's seed and trains on the manifest's first batches."""
     from recforge.preprocess.executor import make_executor
     from recforge.train.loss import step_loss
     from recforge.train.model import build_dlrm
     from recforge.train.sharding import shard_model
 
-    device = torch.device(device)
     batch_size = cfg.train.batch_size
-    key = ProfileKey.of(cfg.model, plan.tables(), world_size, batch_size, device)
+    executor = make_executor(cfg.preprocess_executor, plan, dataset)
+    batches = first_batches(manifest_dir, dataset, executor, batch_size, BATCHES, device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # this process's RNG unmoved
+        torch.manual_seed(cfg.seed)
+        model = build_dlrm(cfg.model, plan.tables(), len(plan.dense_features()), device)
+    sharded = shard_model(model, cfg.train, world_size=world_size, device=device)
+    net, opt = sharded.model, sharded.optimizer
+    net.train()
+    tracker = StageTracker(net)
+    served = [0]
+
+    def step() -> None:
+        b = batches[served[0] % len(batches)]
+        served[0] += 1
+        loss, _ = step_loss(net(b.dense, b.sparse), b.labels, b.weights, float(batch_size * world_size), world_size)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        tracker.step_end()
+
+    return tracker, step, served
+
+
+# Rank 0 leads a multi-rank profile: before each step it tells the other ranks whether to step and where the proxy
+# runs (every rank co-runs it, as every worker co-runs its preprocessing); outside the stages, so not measured.
+_STOP, _STEP, _PROXY = 0, 1, 2
+
+
+class _Lead:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def send(self, kind: int, a: int = 0, b: int = 0) -> None:
+        if self.world_size > 1:
+            dist.broadcast(torch.tensor([kind, a, b], dtype=torch.int64), src=0)
+
+
+def _target_code(target) -> tuple[int, int]:
+    return (-1, 0) if target is None else (STAGES.index(target[0]), int(target[1]))
+
+
+def lead_profile(cfg, key: ProfileKey, tracker, step, device: torch.device, threads: int, world_size: int
+                 ) -> tuple[StageProfile, int]:
+    """Rank 0 (or the only rank): warm up, size the proxy, run the StageProfiler; (profile, max_units)."""
+    lead = _Lead(world_size)
+    batch_size = cfg.train.batch_size
     threshold = CUDA_THRESHOLD if device.type == "cuda" else CPU_THRESHOLD
-    t0 = time.perf_counter()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)  # the worker's trainer budget
+    profiler: StageProfiler | None = None
+
+    def led_step() -> None:
+        lead.send(_STEP, *_target_code(profiler._target if profiler is not None else None))
+        step()
+
     runner = None
     try:
-        dataset = dataset or cfg.dataset()
-        executor = make_executor(cfg.preprocess_executor, plan, dataset)
-        batches = first_batches(manifest_dir, dataset, executor, batch_size, BATCHES, device)
-        # the worker's backend; the seed as the worker's, without moving this process's RNG
-        with single_rank_group("nccl" if device.type == "cuda" else "gloo"), torch.random.fork_rng(
-                devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(cfg.seed)
-            model = build_dlrm(cfg.model, plan.tables(), len(plan.dense_features()), device)
-            sharded = shard_model(model, cfg.train, world_size=1, device=device)
-            net, opt = sharded.model, sharded.optimizer
-            net.train()
-            tracker = StageTracker(net)
-            served = [0]
+        for _ in range(WARMUP):
+            led_step()
+        longest = max(statistics.median(t.ms[s] for t in tracker.steps) for s in STAGES)
+        unit_ms = ProxyKernel(batch_size, device, max_units=1).standalone_ms(1)
+        max_units = proxy_units(batch_size, longest, unit_ms)
+        lead.send(_PROXY, max_units)
+        runner = BackgroundRunner(cfg.corun.threads, device if device.type == "cuda" else None)
+        profiler = StageProfiler(tracker, led_step, ProxyKernel(batch_size, device, max_units=max_units), runner,
+                                 steps_per_point=STEPS_PER_POINT, warmup=1, paired=True)
+        profile = profiler.run(key, threshold=threshold, max_units=max_units)
+    finally:
+        lead.send(_STOP)
+        if runner is not None:
+            runner.close()
+    return profile, max_units
 
-            def step() -> None:
-                b = batches[served[0] % len(batches)]
-                served[0] += 1
-                loss, _ = step_loss(net(b.dense, b.sparse), b.labels, b.weights, float(batch_size), 1)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                tracker.step_end()
 
-            t_steps = time.perf_counter()
-            try:
-                for _ in range(WARMUP):
-                    step()
-                longest = max(statistics.median(t.ms[s] for t in tracker.steps) for s in STAGES)
-                unit_ms = ProxyKernel(batch_size, device, max_units=1).standalone_ms(1)
-                max_units = proxy_units(batch_size, longest, unit_ms)
+def follow_profile(cfg, tracker, step, device: torch.device) -> None:
+    """Ranks > 0: step when rank 0 steps, with the proxy where rank 0 puts it, until it stops."""
+    batch_size = cfg.train.batch_size
+    profiler, runner = None, None
+    try:
+        while True:
+            msg = torch.zeros(3, dtype=torch.int64)
+            dist.broadcast(msg, src=0)
+            kind, a, b = msg.tolist()
+            if kind == _STOP:
+                return
+            if kind == _PROXY:
                 runner = BackgroundRunner(cfg.corun.threads, device if device.type == "cuda" else None)
-                profiler = StageProfiler(tracker, step, ProxyKernel(batch_size, device, max_units=max_units), runner,
-                                         steps_per_point=STEPS_PER_POINT, warmup=1, paired=True)
-                profile = profiler.run(key, threshold=threshold, max_units=max_units)
-            finally:
-                tracker.detach()
+                profiler = StageProfiler(tracker, step, ProxyKernel(batch_size, device, max_units=a), runner)
+                continue
+            if profiler is not None:
+                profiler._target = None if a < 0 else (STAGES[a], b)
+            step()
     finally:
         if runner is not None:
             runner.close()
-        torch.set_num_threads(before)
+
+
+def profile_job(cfg, plan: Plan, world_size: int, manifest_dir: str | Path, threads: int = 1,
+                device: str | torch.device = "cpu", dataset=None) -> StageProfile:
+    """The job's StageProfile (not stored: store_and_log does). `cfg`: the PipelineConfig; `dataset`: the
+    manifest's schema (default cfg.dataset()). World size 1: in this process; more: that many processes
+    (recforge.rap.profile_ranks), so the collectives and the workers' contention are in the stages."""
+    from recforge.elastic.master import shard_rows_from_manifest
+
+    device = torch.device(device)
+    key = ProfileKey.of(cfg.model, plan.tables(), world_size, cfg.train.batch_size, device)
+    dataset = dataset or cfg.dataset()
+    t0 = time.perf_counter()
+    if not sum(shard_rows_from_manifest(manifest_dir)):  # fail here, not in the ranks
+        raise ValueError(f"profile_job: the training manifest {manifest_dir} has no rows to profile on")
+    if world_size > 1:
+        from recforge.rap.profile_ranks import profile_in_processes
+
+        profile = profile_in_processes(cfg, plan, dataset, world_size, manifest_dir, threads, device)
+    else:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)  # the worker's trainer budget
+        try:
+            # sharding and training draw from the global RNG: leave this process's as it was
+            with single_rank_group("nccl" if device.type == "cuda" else "gloo"), torch.random.fork_rng(
+                    devices=[device] if device.type == "cuda" else []):
+                tracker, step, served = job_step(cfg, plan, dataset, manifest_dir, 1, device)
+                t_steps = time.perf_counter()
+                try:
+                    profile, max_units = lead_profile(cfg, key, tracker, step, device, threads, 1)
+                finally:
+                    tracker.detach()
+        finally:
+            torch.set_num_threads(before)
+        describe(profile, key, threads, max_units, served[0], 1, t_steps)
+    profile.meta["seconds"] = round(time.perf_counter() - t0, 3)  # all of it, the executor's first call included
+    log.info("profiled %s in %.1f s (%.1f s of %d steps on %d ranks, threshold %.0f%%): stage ms %s, capacity ms %s",
+             key.slug(), profile.meta["seconds"], profile.meta["step_seconds"], profile.meta["steps"], world_size,
+             profile.threshold * 100, {s: round(v, 3) for s, v in profile.stage_ms.items()},
+             {s: round(v, 3) for s, v in profile.capacity_ms.items()})
+    return profile
+
+
+def describe(profile: StageProfile, key: ProfileKey, threads: int, max_units: int, steps: int, ranks: int,
+             t_steps: float) -> None:
+    """What the profile measured, into its meta."""
     profile.meta |= {
-        "source": "recforge.rap.profile_job: single-process profiling run of the job's model on its first batches",
-        "single_process": True, "profiled_world_size": 1, "batches": len(batches), "steps": served[0],
+        "source": f"recforge.rap.profile_job: profiling run of the job's model on its first batches, {ranks} "
+                  f"rank(s) (rank 0's stages; every rank co-runs the proxy)",
+        "single_process": ranks == 1, "profiled_world_size": ranks, "batches": BATCHES, "steps": steps,
         "trainer_threads": threads, "max_units": max_units,
         "capped_stages": [s for s in STAGES if profile.capacity_units[s] >= max_units],
         "proxy": "fused_ngram(n=4) over [batch, 8] float32, 4 features per unit (RAP's proxy)",
-        "seconds": round(time.perf_counter() - t0, 3),  # all of it, the executor's first call included
         "step_seconds": round(time.perf_counter() - t_steps, 3),  # the profiling steps and the search
     }
-    if world_size > 1:
-        log.warning("stage profile for world size %d measured in one process: collectives are not in it", world_size)
-    log.info("profiled %s in %.1f s (%.1f s of %d steps, threshold %.0f%%): stage ms %s, capacity ms %s",
-             key.slug(), profile.meta["seconds"], profile.meta["step_seconds"], served[0], threshold * 100,
-             {s: round(v, 3) for s, v in profile.stage_ms.items()},
-             {s: round(v, 3) for s, v in profile.capacity_ms.items()})
-    return profile
+    if key.world_size > ranks:
+        log.warning("stage profile for world size %d measured on %d rank(s): collectives are not in it",
+                    key.world_size, ranks)
 
 
 def profile_figure(profile: StageProfile):

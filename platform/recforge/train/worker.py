@@ -90,9 +90,10 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> d
                           placements=mapping.placements if mapping is not None else None)
     executor = make_executor(spec.preprocess_executor, plan, spec.dataset)  # PipelineConfig.preprocess_executor
     # RAP co-running (spec.preprocessing == "corun"), else None; under the mapping without the input all-to-all
-    corun = start_session(spec, plan, sharded, device, mapping=mapping, rank=rank, world_size=world_size)
     bs = spec.train.batch_size
     micro = per_rank // accumulation  # rows per forward; a step is `accumulation` of them on every rank
+    corun = start_session(spec, plan, sharded, device, mapping=mapping, rank=rank, world_size=world_size,
+                          batch_size=micro)
     zero_batch = empty(spec.dataset, micro, executor, device)
 
     client = MasterClient(spec.master_url, worker_id=f"rank{rank}-{os.getpid()}", generation=generation,
