@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
 
-    from recforge.elastic.simulate import ClusterSpec, SimParams, TraceParams, generate_trace, make_policy, simulate
+    from recforge.elastic.simulate import ClusterSpec, SimParams, TraceParams, generate_trace, simulate_policies
     from recforge.elastic.simulate import report
 
     console = Console(width=160)
@@ -47,11 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         trace = generate_trace(tp, seed=seed)
         t_trace = time.perf_counter() - t0
-        results, walls = [], {}
-        for n in names:
-            t = time.perf_counter()
-            results.append(simulate(trace, make_policy(n), cluster=cluster, params=params, seed=seed))
-            walls[n] = time.perf_counter() - t
+        results, walls = simulate_policies(trace, names, cluster, params, seed)
         total = time.perf_counter() - t0
         console.print(report.table(results, f"seed {seed}: {args.jobs} jobs, {args.nodes} nodes; trace {t_trace:.1f}s, "
                                             f"all policies {total:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in walls.items())})"))

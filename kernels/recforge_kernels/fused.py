@@ -49,8 +49,8 @@ def fused_fill_null_columns(x: Tensor, valid: Tensor, cols: list[int], values: l
     """Columns `cols` of raw x[B, F] (int64) with nulls (valid False) set to values[f]: float32 (dense) / int64."""
     if x.device.type == "cpu":
         return list(_cpu("fill_null_columns")(x, valid, cols, values, dense))
-    if x.device.type == "cuda" and "fill_null_columns" in _CUDA:
-        return _CUDA["fill_null_columns"](x, valid, cols, values, dense)
+    if x.device.type == "cuda" and (cuda := _cuda("fill_null_columns")) is not None:
+        return cuda(x, valid, cols, values, dense)
     return fallback.fill_null_columns(x, valid, cols, values, dense)
 
 
@@ -64,8 +64,8 @@ def fused_fill_null(xs: list[Tensor], valids: list[Tensor], values: list[float],
     """Values of list columns (int64, any shape) with null elements set to values[f]."""
     if xs and xs[0].device.type == "cpu":
         return list(_cpu("fill_null")(xs, valids, values, dense))
-    if xs and xs[0].device.type == "cuda" and "fill_null" in _CUDA:
-        return _CUDA["fill_null"](xs, valids, values, dense)
+    if xs and xs[0].device.type == "cuda" and (cuda := _cuda("fill_null")) is not None:
+        return cuda(xs, valids, values, dense)
     return fallback.fill_null(xs, valids, values, dense)
 
 
@@ -93,8 +93,8 @@ def _elementwise(name: str, out_dtype: torch.dtype | None, doc: str):
 def _dispatch(name: str, xs: list[Tensor], *args):
     if xs and xs[0].device.type == "cpu":
         return list(_cpu(name)(xs, *args))
-    cuda = _CUDA.get(name)
-    if cuda is not None and xs and xs[0].device.type == "cuda":
+    cuda = _cuda(name) if xs and xs[0].device.type == "cuda" else None
+    if cuda is not None:
         return cuda(xs, *args)
     return getattr(fallback, name)(xs, *args)
 
@@ -258,12 +258,19 @@ def eager_impl(op) -> Callable:
     return getattr(op, "_init_fn", op)  # torch's CustomOpDef keeps the function it wraps here
 
 
-# CUDA implementations by kernel name (filled by triton_fused when triton imports).
-_CUDA: dict[str, Callable] = {}
+# CUDA implementations by kernel name, from triton_fused, imported on the first CUDA call: importing triton costs
+# every process ~150 ms, and CPU-only processes never need it.
+_CUDA: dict[str, Callable] | None = None
 
-try:  # noqa: SIM105
-    from recforge_kernels import triton_fused
 
-    _CUDA.update(triton_fused.KERNELS)
-except ImportError:
-    triton_fused = None  # no triton here: CUDA tensors use the torch fallback
+def _cuda(name: str) -> Callable | None:
+    """The Triton kernel `name`, or None (no triton here: CUDA tensors use the torch fallback)."""
+    global _CUDA
+    if _CUDA is None:
+        try:
+            from recforge_kernels import triton_fused
+
+            _CUDA = dict(triton_fused.KERNELS)
+        except ImportError:
+            _CUDA = {}
+    return _CUDA.get(name)

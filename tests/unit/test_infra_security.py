@@ -105,8 +105,8 @@ ALLOWED = {
     ("platform/recforge/tracking/registry.py", "mlflow.pytorch.load_model("),
     # RECom's compiled model (pyfunc wrapping the pt2 program), from the configured registry (models:/ URI)
     ("platform/recforge/tracking/recom_models.py", "mlflow.pyfunc.load_model("),
-    # DLRover-RM's fitted resource model: an MLflow pyfunc (cloudpickled PythonModel) from a runs:/ URI of the
-    # configured tracking store, not from the registry (reported: it should go through the registry too)
+    # DLRover-RM's fitted resource model: an MLflow pyfunc (cloudpickled PythonModel), registered and loaded by
+    # name / version from the configured registry (or a runs:/ URI of the configured tracking store)
     ("platform/recforge/tracking/resource_models.py", "mlflow.pyfunc.load_model("),
 }
 

@@ -325,28 +325,3 @@ def _log_run_model(store: TrackingStore, run_id: str, scaler, by_plan: list[dict
         final_plan=scaler.plan.to_dict(), memory=scaler.policy.warm.memory, samples_per_s=by_plan[-1]["samples_per_s"],
         points=points, extra={"points": [{"allocation": s.allocation.to_dict(), "samples_per_s": s.samples_per_s}
                                          for s in points], "model_status": online.status}, register=True)
-
-
-def recommend_with_dlrover(store: TrackingStore, run_id: str, state: dict, worker_result: dict,
-                           per_worker: dict | None = None) -> dict[str, Any]:
-    """Stages 2 and 3 on a finished run, logged as recommendations (for a run trained without the runtime
-    stages; the pipeline's dlrover runs use `log_dlrover_run`), plus this run's model and measured point as
-    history for tomorrow's stage 1."""
-    from recforge.elastic.optimizer import recommend_after_run
-
-    shares = {k: (v or {}).get("samples") for k, v in (per_worker or {}).items()}
-    events, model, ran = recommend_after_run(state, worker_result, shares)
-    log_events(store, run_id, events)
-    out: dict[str, Any] = {"recommendations": [e.to_dict() for e in events if e.changes_plan],
-                           "events": len(events), "executed": False}
-    thr = float(worker_result.get("samples_per_s") or 0.0)
-    if model is not None and thr > 0:
-        from recforge.elastic.memory_model import MemoryModel
-
-        point = Sample(ran.allocation(state["job"].get("host_cores")), thr)
-        out["model_uri"] = log_resource_model(
-            store, run_id, model=model, dataset=state["job"]["dataset"], model_family=state["job"]["model_family"],
-            final_plan=ran.to_dict(), memory=MemoryModel.from_dict(state["memory"]) if state.get("memory") else None,
-            samples_per_s=thr, points=[point],
-            extra={"points": [{"allocation": point.allocation.to_dict(), "samples_per_s": thr}]})
-    return out

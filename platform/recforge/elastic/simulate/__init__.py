@@ -42,8 +42,24 @@ def run_comparison(trace_params=None, *, cluster=None, params=None, policies: Se
     trace_params = trace_params or TraceParams()
     trace = generate_trace(trace_params, seed=seed)
     params = replace(params or SimParams(), eviction_per_node_h=trace_params.eviction_per_node_h)
-    return [simulate(trace, make_policy(name), cluster=cluster or ClusterSpec(), params=params, seed=seed)
-            for name in policies]
+    return simulate_policies(trace, policies, cluster or ClusterSpec(), params, seed)[0]
 
 
-__all__ = ["ClusterSpec", "SimParams", "TraceParams", "generate_trace", "make_policy", "run_comparison", "simulate"]
+def simulate_policies(trace, policies: Sequence[str], cluster, params, seed: int = 0
+                      ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Each policy on the same trace: (results in order, wall seconds per policy)."""
+    import time
+
+    from recforge.elastic.simulate.engine import simulate
+    from recforge.elastic.simulate.policies import make_policy
+
+    results, walls = [], {}
+    for name in policies:
+        t = time.perf_counter()
+        results.append(simulate(trace, make_policy(name), cluster=cluster, params=params, seed=seed))
+        walls[name] = time.perf_counter() - t
+    return results, walls
+
+
+__all__ = ["ClusterSpec", "SimParams", "TraceParams", "generate_trace", "make_policy", "run_comparison", "simulate",
+           "simulate_policies"]

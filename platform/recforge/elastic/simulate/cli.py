@@ -28,7 +28,8 @@ def simulate_cmd(
     """Simulate a trace of DLRM jobs on a cluster under each policy; print a table, write JSON and plots."""
     from rich.console import Console
 
-    from recforge.elastic.simulate import ClusterSpec, SimParams, TraceParams, generate_trace, make_policy, simulate
+    from recforge.elastic.simulate import (ClusterSpec, SimParams, TraceParams, generate_trace, make_policy,
+                                          simulate_policies)
     from recforge.elastic.simulate import report
 
     console = Console()
@@ -45,11 +46,7 @@ def simulate_cmd(
     t0 = time.perf_counter()
     trace = generate_trace(tp, seed=seed)
     params = SimParams(eviction_per_node_h=tp.eviction_per_node_h)
-    results, timings = [], {}
-    for n in names:
-        t = time.perf_counter()
-        results.append(simulate(trace, make_policy(n), cluster=cluster, params=params, seed=seed))
-        timings[n] = time.perf_counter() - t
+    results, timings = simulate_policies(trace, names, cluster, params, seed)
     wall = time.perf_counter() - t0
     console.print(report.table(results, f"{jobs} jobs on {nodes} nodes x {cpu_per_node:g} cores, seed {seed} ({wall:.1f}s)"))
     if "static" in names and len(names) > 1:
