@@ -181,7 +181,7 @@ class CorunConfig(StrictModel):
     stage: Literal["emb_fwd", "mlp_fwd", "mlp_bwd", "emb_bwd", "allreduce"] = Field(
         "mlp_bwd", description="without a stored stage profile: the training stage every fused kernel starts in")
     profile_dir: str | None = Field(None, description="stored RAP stage profiles (default $RECFORGE_HOME/rap/profiles)")
-    mapping: bool = Field(True, description="RAP's mapping: tables placed by the mapping MILP, each table's ids "
+    mapping: bool = Field(True, description="RAP's mapping (2+ workers): tables placed by the mapping MILP, each table's ids "
                           "preprocessed on its owner over the global batch, no input all-to-all (recforge.rap.mapped_input)")
 
 

@@ -20,10 +20,9 @@ from recforge.tracking import TrackingStore
 pytestmark = pytest.mark.slow
 
 
-def _ctx(home, key, preprocessing, workers=1, mapping=False):
+def _ctx(home, key, preprocessing, workers=1):
     cfg = {"rows_per_day": 1200, "rows_per_shard": 600, "seed": 3, "table_cap": 500, "preprocessing": preprocessing,
-           "resources": {"workers": workers}, "train": {"batch_size": 128, "log_every": 2, "batches_per_task": 2},
-           "corun": {"mapping": mapping}}
+           "resources": {"workers": workers}, "train": {"batch_size": 128, "log_every": 2, "batches_per_task": 2}}
     return RunContext.create(key, cfg, home=home)
 
 
@@ -38,6 +37,7 @@ def test_train_task_runs_corun_and_offline(recforge_home):
     planned, out = _run(_ctx(recforge_home, "corun", "corun"))
     corun = planned["corun"]
     assert corun["schedule_path"].endswith("corun_schedule.json")
+    assert corun["mapping_path"] is None  # one worker: no input all-to-all to remove, so no mapping
     schedule = json.loads(open(corun["schedule_path"]).read())
     # no profile was stored for this job: plan_resources profiled it, stored it, and RAP's scheduler used it
     assert corun["profile"]["origin"] == "profiled"
@@ -97,7 +97,7 @@ def test_corun_with_rap_mapping_on_two_workers(recforge_home):
     all-to-all; every row is trained once."""
     from recforge.rap.corun_mapping import load_mapping
 
-    planned, out = _run(_ctx(recforge_home, "mapped", "corun", workers=2, mapping=True))
+    planned, out = _run(_ctx(recforge_home, "mapped", "corun", workers=2))  # corun.mapping's default: true
     corun = planned["corun"]
     assert corun["mapping_path"].endswith("corun_mapping.json")
     mapping = [load_mapping(corun["mapping_path"], 2, r) for r in range(2)]
@@ -125,7 +125,7 @@ def test_corun_with_rap_mapping_on_two_workers(recforge_home):
     assert set(rap["global_features"]) == held[0]
     assert {t: info["ranks"] for t, info in worker["sharding_plan"].items()} == \
         {t: list(p.ranks) for t, p in mapping[0].placements.items()}
-    # tasks of 256 rows (2 batches of 128) per 600-row shard: 256, 256, 88 -> 6 global batches of up to 2 x 128
+    # under the mapping a task is 2 global batches of 2 x 128 rows: per 600-row shard 512 + 88 -> 3 global batches
     assert worker["samples_per_epoch"] == [1200] and out["steps"] == 6
     assert worker["rap"]["batches"] == 6 and worker["rap"]["stages_opened_by_step"] > 0
     run = TrackingStore().stage_runs("recforge_daily", "mapped")["plan_resources"]

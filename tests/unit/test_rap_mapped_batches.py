@@ -7,6 +7,7 @@ exactly once; only rank 0 talks to the master.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -29,11 +30,21 @@ TASKS = [(0, 0, 50), (0, 50, 50), (0, 50, 130), (1, 0, 100)]  # (shard, rows) - 
 
 
 class Client:
-    def __init__(self, tasks):
-        self.tasks, self.events = list(tasks), []
+    """One rank's client of the job's task queue, shared through a file (the master's role): lease pops the next
+    task, under a lock; `events` is what this rank asked."""
+
+    def __init__(self, queue: Path):
+        self.queue, self.events = queue, []
 
     def lease(self):
-        task = self.tasks.pop(0) if self.tasks else None
+        import fcntl
+        import json
+
+        with open(self.queue, "r+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            tasks = json.loads(f.read())
+            task = Task(**tasks.pop(0)) if tasks else None
+            f.seek(0), f.truncate(), f.write(json.dumps(tasks))
         self.events.append(("lease", task.task_id if task else None))
         return task
 
@@ -108,9 +119,12 @@ def _worker(rank, port, manifest_dir, out_dir):
         out = {}
         for mode in ("unmapped", "mapped", "mapped_corun"):
             sharded = _sharded(plan)
-            tasks = [Task(task_id=f"t{i}", epoch=0, shard=s, row_start=a, row_end=z)
-                     for i, (s, a, z) in enumerate(TASKS)] if rank == 0 else []
-            client, ledger, losses = Client(tasks), Ledger(), []
+            queue = Path(out_dir) / f"queue-{mode}.json"
+            if rank == 0:
+                queue.write_text(json.dumps([dict(task_id=f"t{i}", epoch=0, shard=s, row_start=a, row_end=z)
+                                             for i, (s, a, z) in enumerate(TASKS)]))
+            dist.barrier()
+            client, ledger, losses = Client(queue), Ledger(), []
             session = None
             if mode == "mapped_corun":
                 mapped = MappedInput.install(sharded.model, rank, WORLD)
@@ -197,10 +211,13 @@ def test_mapped_training_equals_input_all_to_all(tmp_path, manifest_dir):
             covered[s].extend(range(a, z))
         assert sorted(covered[0]) == list(range(130)) and sorted(covered[1]) == list(range(100))
         assert all(out[mode]["rows"] for out in outs)
-        # rank 0 leases and reports (the empty task at once); rank 1 never calls the master
-        assert outs[1][mode]["events"] == []
-        done = sorted(e for e in outs[0][mode]["events"] if e[0] == "done")  # co-run reads ahead: t1 before t0
-        assert done == [("done", "t0", 50), ("done", "t1", 0), ("done", "t2", 80), ("done", "t3", 100)]
+        # the ranks take turns leasing (task k: rank k mod 2, the end of the queue: rank 0) and each reports its
+        # tasks done (the empty one at once); the other rank never touches a task it did not lease
+        events = [out[mode]["events"] for out in outs]
+        assert [e for e in events[0] if e[0] == "lease"] == [("lease", "t0"), ("lease", "t2"), ("lease", None)]
+        assert [e for e in events[1] if e[0] == "lease"] == [("lease", "t1"), ("lease", "t3")]
+        done = [sorted(e for e in ev if e[0] == "done") for ev in events]
+        assert done == [[("done", "t0", 50), ("done", "t2", 80)], [("done", "t1", 0), ("done", "t3", 100)]]
     for out in outs:  # the co-run really ran inside the steps, both jobs
         summary = out["corun_summary"]
         assert summary["batches"] == 9 and summary["stages_opened_by_step"] > 0
@@ -208,3 +225,42 @@ def test_mapped_training_equals_input_all_to_all(tmp_path, manifest_dir):
         assert summary["steps"] >= 8
     assert outs[0]["mapped"]["plans"] == [f"{_plan().name}@rank0.local", f"{_plan().name}@rank0.global"]
     assert outs[1]["mapped"]["plans"] == [f"{_plan().name}@rank1.local", f"{_plan().name}@rank1.global"]
+
+
+class FailingClient:
+    def lease(self):
+        raise ConnectionError("master unreachable")
+
+    def done(self, task_id, samples):
+        raise AssertionError("no task was leased")
+
+
+def _lease_failure_worker(rank, port, manifest_dir, out_dir):
+    import torch.distributed as dist
+
+    from recforge.preprocess.executor import make_executor
+    from recforge.rap.mapped_batches import MappedTaskBatches
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        ex = make_executor("fused", _plan(), DS)
+        source = MappedTaskBatches(FailingClient(), manifest_dir, DS, ex, None, B, torch.device("cpu"), rank, WORLD)
+        try:
+            source.next()
+            outcome = "no error"
+        except Exception as e:  # rank 0 (the leaser) re-raises the client's error, rank 1 gets its message
+            outcome = f"{type(e).__name__}: {e}"
+        (Path(out_dir) / f"lease-{rank}.txt").write_text(outcome)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_failed_lease_fails_every_rank(tmp_path, manifest_dir):
+    """The leaser's error reaches the ranks waiting for its broadcast (they would otherwise hang)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_lease_failure_worker, args=(_free_port(), str(manifest_dir), str(tmp_path)), nprocs=WORLD)
+    assert (tmp_path / "lease-0.txt").read_text() == "ConnectionError: master unreachable"
+    assert (tmp_path / "lease-1.txt").read_text() == \
+        "RuntimeError: rank 0 could not lease a task: ConnectionError: master unreachable"

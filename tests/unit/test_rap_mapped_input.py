@@ -15,7 +15,7 @@ import pytest
 import torch
 
 TABLES = [("C1", 50), ("C2", 70), ("C3", 30), ("C4", 20)]
-NUM_DENSE, DIM, B, WORLD = 3, 8, 6, 2
+NUM_DENSE, DIM, B, WORLD = 3, 8, 5, 2
 PLACEMENTS = {
     "spread": {"C1": ("table_wise", (0,)), "C2": ("table_wise", (1,)), "C3": ("column_wise", (0, 1)),
                "C4": ("data_parallel", (0, 1))},
@@ -24,15 +24,17 @@ PLACEMENTS = {
 }
 
 
-def _kjt(ids: torch.Tensor, names: list[str]):
+def _kjt(ids: torch.Tensor, names: list[str], first_row: int = 0):
+    """Rows first_row.. of the step's data; variable lengths (0..2 ids) so jagged layouts are exercised: the id of
+    global row g repeats g % 3 times (the same row has the same ids whichever rank builds it)."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     cols = [t for t, _ in TABLES]
     sel = ids[:, [cols.index(n) for n in names]]
     b = ids.shape[0]
-    # variable lengths (0..2 ids) so jagged layouts are exercised: ids of sample i repeat i % 3 times
-    lengths = torch.tensor([(i % 3) for _ in names for i in range(b)], dtype=torch.int32)
-    values = torch.cat([sel[i, j].repeat(i % 3) for j in range(len(names)) for i in range(b)])
+    reps = [(first_row + i) % 3 for i in range(b)]
+    lengths = torch.tensor([reps[i] for _ in names for i in range(b)], dtype=torch.int32)
+    values = torch.cat([sel[i, j].repeat(reps[i]) for j in range(len(names)) for i in range(b)])
     return KeyedJaggedTensor(keys=list(names), values=values.long(), lengths=lengths, stride=b)
 
 
@@ -98,9 +100,9 @@ def _worker(rank, port, out_dir, case):
             mine = slice(rank * B, (rank + 1) * B)
             results = []
             for model, opt, sparse in (
-                (base, base_opt, _kjt(ids[mine], names)),
+                (base, base_opt, _kjt(ids[mine], names, rank * B)),
                 (mapped_model, mapped_opt, MappedFeatures(
-                    local=_kjt(ids[mine], mapped.local_features) if mapped.local_features else None,
+                    local=_kjt(ids[mine], mapped.local_features, rank * B) if mapped.local_features else None,
                     global_=_kjt(ids, mapped.global_features) if mapped.global_features else None,
                     batch_size=B)),
             ):

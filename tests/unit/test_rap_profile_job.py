@@ -141,3 +141,30 @@ def test_profile_job_measures_the_real_model_stores_logs_and_reuses(manifest_dir
     assert store.client.get_run(run).data.params["rap_profile"] == profile.key.slug()
     again, origin = ensure_profile(cfg, PLAN, 1, manifest_dir, tmp_path / "profiles", store, run)
     assert origin == "stored" and again == profile
+
+
+def test_a_failed_profiling_rank_ends_the_others_at_once():
+    """recforge.rap.profile_ranks: the first rank to fail is reported without waiting for the ones it left blocked,
+    and those are ended."""
+    import subprocess
+    import sys
+    import time
+
+    from recforge.rap.profile_ranks import _wait_all
+
+    blocked = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    try:
+        assert _wait_all([blocked, failing], time.monotonic() + 100) == [(1, 3)]
+        assert blocked.poll() is None  # reported while the blocked rank still runs: it did not wait for it
+    finally:
+        blocked.kill()
+        blocked.wait()
+    quick = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(2)]
+    assert _wait_all(quick, time.monotonic() + 100) == []
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        assert _wait_all([slow], time.monotonic() + 0.5) == [(0, "timeout")]
+    finally:
+        slow.kill()
+        slow.wait()

@@ -49,9 +49,13 @@ def train(ctx: RunContext) -> dict[str, Any]:
         from recforge.pipelines import train_dlrover  # DLRover-RM stages 2/3 during training (policy "dlrover")
 
         scaler = train_dlrover.start(store, run_id, plan, cfg, spec, w.tmp)
+        # RAP's mapping trains global batches: one task feeds every worker, so it is `workers` times larger
+        tasks = ({"rows_per_task": cfg.train.batch_size * cfg.train.batches_per_task * plan["workers"]}
+                 if spec["corun_mapping_path"] else {})
         result = train_dlrover.logging_failures(store, run_id, scaler, run_training_job)(
             spec,
             shard_rows_from_manifest(manifest_dir),
+            **tasks,
             resources=cfg.resources.model_copy(update={"workers": plan["workers"],
                                                        "threads_per_worker": plan["threads_per_worker"]}),
             policy=StaticPolicy(cfg.resources.model_copy(update={"workers": plan["workers"],

@@ -68,9 +68,13 @@ class RawBatch:
         """The rows of `parts` one after another (RAP's global batch from the ranks' local batches)."""
         if not parts:
             raise ValueError("RawBatch.concat: no parts")
-        fields = ("label", "dense", "dense_valid", "sparse", "sparse_valid")
-        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in fields),
-                   jagged=JaggedColumns.concat([p.jagged for p in parts]))
+        import dataclasses
+
+        def cat(name: str):
+            values = [getattr(p, name) for p in parts]
+            return JaggedColumns.concat(values) if isinstance(values[0], JaggedColumns) else torch.cat(values)
+
+        return cls(**{f.name: cat(f.name) for f in dataclasses.fields(cls)})
 
     def pad_to(self, n: int) -> tuple["RawBatch", Tensor]:
         """A new batch of n rows (zero rows appended, valid False) and weight float32[n]: 1 real, 0 padding."""

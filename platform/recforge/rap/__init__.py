@@ -11,6 +11,14 @@ Planning (this package's planning half):
   scheduler.py   RAP's greedy co-run scheduler with kernel splitting
   gantt.py       the schedule as a Gantt PNG
   simulator.py   predicted iteration time of RAP, its ablations and baselines
-Runtime (in-trainer execution, the pipeline switch, `recforge bench rap`) builds on stages.py and schedule.py.
-Pipeline: corun_pipeline.py (plan / worker / MLflow), profile_job.py (profiles a job with no stored profile).
+  mapping_plan.py  a job's placements for the pipeline: costs from the stage profile and timed kernels, the MILP,
+                 TorchRec's planner placement as "before"
+Runtime:
+  runtime.py     CorunRuntime: a schedule's kernels (one job, or RAP's two: global / local rows) gated by the stages
+  corun_batches.py, corun_session.py   the trainer's batch source reading ahead, the worker's session
+  mapped_input.py  the sharded EBC takes ids already on their table's owner: no input all-to-all
+  mapped_batches.py  global batches; each rank preprocesses its tables over them and the rest over its rows
+Pipeline: corun_pipeline.py (plan / worker / MLflow), corun_mapping.py (the mapping file: placements and each
+rank's jobs), profile_job.py + profile_ranks.py (profiles a job with no stored profile, on its world size),
+corun_offline.py (the offline baseline). Benchmarks: bench/bench_rap.py, bench_rap_mapping.py, bench_rap_planning.py.
 """

@@ -7,6 +7,9 @@ kernels then wait for step i's stage boundaries (recforge.rap.runtime). `step_do
 there, as the stage profiler does. `step_boundary()` runs first in every `next()` (closing the step there if no
 batch was reported trained) and times the whole iteration, from batch request to batch request.
 
+With gradient accumulation (k micro-batches per step) the trainer asks for all k before the step, so only the
+first one's kernels overlap the previous step's stages; the other k-1 complete at the request (inline).
+
 Reading ahead leases the next task before the last batch of the current one is trained. `progress()`
 therefore reports only the rows handed out to the trainer (not the batch read ahead), and drops a task
 once it is reported done, so a checkpoint's data state never counts rows the model has not seen.

@@ -11,6 +11,7 @@ worker          `worker_mapping`: the placements and this rank's jobs, when the 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -22,12 +23,12 @@ import torch
 from recforge.config import DatasetConfig
 from recforge.preprocess.plan import Plan
 from recforge.rap.mapping import Placement, split_rank_plan
+from recforge.rap.mapping_plan import COMPILE_METHOD  # the workers compile their rank plans as they were planned
 from recforge.rap.schedule import CorunSchedule
 
 log = logging.getLogger(__name__)
 MAPPING_FILE = "corun_mapping.json"
 MAPPING_VERSION = 1
-COMPILE_METHOD = "greedy"  # the workers' executors compile the rank plans the way their schedules were planned
 
 
 class MappingFileError(ValueError):
@@ -95,8 +96,9 @@ def mapped_jobs(plan: Plan, dataset: DatasetConfig, mapping: WorkerMapping, rank
             raise MappingFileError(f"mapping: rank {rank}'s {job} schedule is for plan {sched.plan_name!r}, "
                                    f"expected {sub.name!r}")
         rows = batch_size * (mapping.world_size if job == "global" else 1)
-        if sched.meta.get("rows") != rows:
-            sched.meta["planned_rows"], sched.meta["rows"] = sched.meta.get("rows"), rows
+        if sched.meta.get("rows") != rows:  # a copy: the mapping's own schedules stay as planned
+            sched = dataclasses.replace(sched, meta={**sched.meta, "planned_rows": sched.meta.get("rows"),
+                                                     "rows": rows})
         jobs.append((FusedExecutor(sub, dataset, method=COMPILE_METHOD), sched))
     missing = [j for j, sub in subs.items() if sub is not None and j not in {s.meta.get("job") for s in mapping.schedules}]
     if missing:

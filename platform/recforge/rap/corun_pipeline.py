@@ -283,7 +283,8 @@ def plan_and_log_schedule(store, run_id: str, cfg, plan: Plan, world_size: int, 
         metrics["rap_predicted_iteration_ms"] = predicted
         metrics |= {f"rap_simulated_ms.{m}": v for m, v in sched.meta["simulated_iteration_ms"].items()}
     mapping = None
-    if cfg.corun.mapping and profile is not None:  # RAP's mapping: placements + each rank's two co-run jobs
+    # RAP's mapping: placements + each rank's two co-run jobs (one worker has no input all-to-all to remove)
+    if cfg.corun.mapping and profile is not None and world_size > 1:
         mapping = plan_and_log_mapping(store, run_id, cfg, plan, world_size, profile, writer)
         metrics |= {f"rap_mapping_{k}": float(mapping[k]) for k in ("imbalance_before", "imbalance_after",
                                                                     "predicted_iteration_ms") if mapping[k] is not None}

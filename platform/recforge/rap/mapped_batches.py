@@ -7,9 +7,11 @@ Global batch k of a task = its rows [k*W*B, (k+1)*W*B); rank r trains rows [k*W*
   - the features of the tables it holds (table_wise / column_wise) over the global batch: every rank's padded
     local batch, concatenated in rank order (the "global" plan) - the ids torchrec's input all-to-all would
     have delivered, so recforge.rap.mapped_input skips that all-to-all.
-Rank 0 leases the data-shard tasks from the master and broadcasts each to the others (one small broadcast per
-task, not per step); every rank reads the task's rows from the shared shards. Only rank 0 reports tasks done;
-each rank's ledger records the rows it trained, so every row is still trained exactly once.
+The ranks take turns leasing the data-shard tasks from the master (task k: rank k mod W), and the leaser
+broadcasts each to the others (one small broadcast per task, not per step); every rank reads the task's rows from
+the shared shards. The leaser reports the task done and holds its progress for checkpoints, so the master sees
+every worker train and renew leases at the same rate (DLRover's straggler rule compares them). Each rank's ledger
+records the rows it trained, so every row is still trained exactly once.
 """
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ from recforge.rap.corun_batches import CorunBatch, CorunReadAhead
 from recforge.rap.mapped_input import MappedFeatures
 from recforge.rap.runtime import CorunConfigError, CorunRuntime
 from recforge.train.batches import Batch, TaskBatches, TaskClient, slice_raw
+
+
+class LeaseFailed(str):
+    """What the leasing rank broadcasts instead of a task when its lease raised."""
 
 
 @dataclass
@@ -47,6 +53,8 @@ class MappedTaskBatches(TaskBatches):
         super().__init__(client, manifest_dir, dataset, local_executor, batch_size, device, ledger=ledger)
         self.local_executor, self.global_executor = local_executor, global_executor
         self.rank, self.world_size = rank, world_size
+        self._leases = 0  # lease turns taken so far (the same count on every rank)
+        self._leaser: dict[str, int] = {}  # task id -> the rank that leased it
 
     # ------------------------------------------------------------------ batches
 
@@ -81,30 +89,45 @@ class MappedTaskBatches(TaskBatches):
         if self.ledger is not None and batch.task_id is not None and batch.row_end > batch.row_start:
             self.ledger.record(batch.epoch, batch.shard, batch.row_start, batch.row_end)
         if batch.last_of_task and batch.task_id is not None:
-            if self.rank == 0:  # the rank that leased it
+            if self._leaser.pop(batch.task_id, None) == self.rank:
                 self.client.done(batch.task_id, samples=batch.task_rows)
-            self.tasks_done += 1
+                self.tasks_done += 1  # this rank's, as TaskBatches counts them
             if self._task is not None and self._task.task_id == batch.task_id:
                 self._raw, self._task = None, None
 
     def progress(self) -> dict[str, int]:
-        """Rank 0 holds the leases: it reports the task's rows handed out (all ranks are at the same offset)."""
-        return super().progress() if self.rank == 0 else {}
+        """The task's leaser reports its rows handed out (every rank is at the same offset)."""
+        if self._task is None or self._leaser.get(self._task.task_id) != self.rank:
+            return {}
+        return super().progress()
 
     # ------------------------------------------------------------------ tasks
 
     def _lease(self) -> bool:
         while True:
-            box = [self.client.lease() if self.rank == 0 else None]
+            src = self._leases % self.world_size
+            self._leases += 1
+            box: list = [None]
+            if self.rank == src:
+                try:
+                    box[0] = self.client.lease()
+                except Exception as e:  # the others wait in the broadcast: tell them, then raise everywhere
+                    box[0] = LeaseFailed(f"rank {src} could not lease a task: {type(e).__name__}: {e}")
+                    if self.world_size > 1:
+                        dist.broadcast_object_list(box, src=src)
+                    raise
             if self.world_size > 1:
-                dist.broadcast_object_list(box, src=0)
+                dist.broadcast_object_list(box, src=src)
             task = box[0]
+            if isinstance(task, LeaseFailed):
+                raise RuntimeError(str(task))
             if task is None:
                 return False
+            self._leaser[task.task_id] = src
             self._task, self._raw, self._offset = task, self.read_task(task), 0
             if self._raw.rows:
                 return True
-            if self.rank == 0:  # an empty task: nothing to train, done at once
+            if self._leaser.pop(task.task_id) == self.rank:  # an empty task: nothing to train, done at once
                 self.client.done(task.task_id, samples=0)
             self._raw = None
 

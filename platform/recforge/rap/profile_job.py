@@ -157,10 +157,10 @@ def lead_profile(cfg, key: ProfileKey, tracker, step, device: torch.device, thre
     profiler: StageProfiler | None = None
 
     def led_step() -> None:
-        lead.send(_STEP, *_target_code(profiler._target if profiler is not None else None))
+        lead.send(_STEP, *_target_code(profiler.target if profiler is not None else None))
         step()
 
-    runner = None
+    runner, done = None, False
     try:
         for _ in range(WARMUP):
             led_step()
@@ -172,8 +172,10 @@ def lead_profile(cfg, key: ProfileKey, tracker, step, device: torch.device, thre
         profiler = StageProfiler(tracker, led_step, ProxyKernel(batch_size, device, max_units=max_units), runner,
                                  steps_per_point=STEPS_PER_POINT, warmup=1, paired=True)
         profile = profiler.run(key, threshold=threshold, max_units=max_units)
+        done = True
     finally:
-        lead.send(_STOP)
+        if done:  # after a failure the others may be inside a step's collectives: this rank exits, the launcher
+            lead.send(_STOP)  # ends them (recforge.rap.profile_ranks)
         if runner is not None:
             runner.close()
     return profile, max_units
@@ -195,7 +197,7 @@ def follow_profile(cfg, tracker, step, device: torch.device) -> None:
                 profiler = StageProfiler(tracker, step, ProxyKernel(batch_size, device, max_units=a), runner)
                 continue
             if profiler is not None:
-                profiler._target = None if a < 0 else (STAGES[a], b)
+                profiler.set_target(None if a < 0 else (STAGES[a], b))
             step()
     finally:
         if runner is not None:

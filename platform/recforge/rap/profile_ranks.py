@@ -46,30 +46,38 @@ def profile_in_processes(cfg, plan: Plan, dataset, world_size: int, manifest_dir
             "out": str(Path(tmp) / "profile.json")}))
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
                "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": str(threads)}
-        procs = []
-        for rank in range(world_size):
-            log = open(Path(tmp) / f"rank{rank}.log", "w")
-            procs.append((subprocess.Popen([sys.executable, "-m", "recforge.rap.profile_ranks", str(job)],
-                                           env=env | {"RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT),
-                          log))
-        deadline = time.monotonic() + timeout_s
-        failed = []
-        for rank, (proc, log) in enumerate(procs):
-            try:
-                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            log.close()
-            if rc != 0:
-                failed.append((rank, rc))
-        if failed:
-            for proc, _ in procs:
+        procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(world_size):
+                with open(Path(tmp) / f"rank{rank}.log", "w") as log:
+                    procs.append(subprocess.Popen([sys.executable, "-m", "recforge.rap.profile_ranks", str(job)],
+                                                  env=env | {"RANK": str(rank)}, stdout=log,
+                                                  stderr=subprocess.STDOUT))
+            failed = _wait_all(procs, time.monotonic() + timeout_s)
+        finally:
+            for proc in procs:  # a failed rank leaves the others blocked in a collective: end them
                 if proc.poll() is None:
                     proc.kill()
-            rank, rc = failed[0]
-            tail = (Path(tmp) / f"rank{rank}.log").read_text()[-3000:]
-            raise RuntimeError(f"stage profile on {world_size} processes: rank {rank} ended with {rc}:\n{tail}")
+                proc.wait()
+        if failed:
+            report = "\n".join(f"rank {r} ended with {rc}:\n{(Path(tmp) / f'rank{r}.log').read_text()[-2000:]}"
+                               for r, rc in failed)
+            raise RuntimeError(f"stage profile on {world_size} processes failed:\n{report}")
         return StageProfile.from_json((Path(tmp) / "profile.json").read_text())
+
+
+def _wait_all(procs: list[subprocess.Popen], deadline: float) -> list[tuple[int, object]]:
+    """Until every process exited 0 (returns []), one exited otherwise, or the deadline passed: the failed ranks
+    (rank, exit code or 'timeout'), the first to fail first."""
+    failed: list[tuple[int, object]] = []
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(r, rc) for r, rc in enumerate(codes) if rc not in (None, 0)]
+        if failed or all(rc == 0 for rc in codes):
+            return failed
+        if time.monotonic() > deadline:
+            return [(r, "timeout") for r, rc in enumerate(codes) if rc is None]
+        time.sleep(0.2)
 
 
 def main(job_path: str) -> None:
@@ -89,6 +97,9 @@ def main(job_path: str) -> None:
     torch.set_num_threads(threads)
     device = torch.device(f"cuda:{rank}" if job["device"] == "cuda" else "cpu")
     if device.type == "cuda":
+        if torch.cuda.device_count() <= rank:
+            raise RuntimeError(f"stage profile: rank {rank} needs GPU {rank}, this machine has "
+                               f"{torch.cuda.device_count()}")
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
     try:

@@ -219,6 +219,15 @@ class StageProfiler:
         self._future: Future | None = None
         tracker.on_enter, tracker.on_exit = self._on_enter, self._on_exit
 
+    def set_target(self, target: tuple[str, int] | None) -> None:
+        """The proxy of the next steps: (stage, units), or None for steps without it (a follower rank's
+        profiler mirrors its leader's, recforge.rap.profile_job)."""
+        self._target = target
+
+    @property
+    def target(self) -> tuple[str, int] | None:
+        return self._target
+
     def _on_enter(self, stage: str) -> None:
         if self._target is not None and self._target[0] == stage:
             units = self._target[1]

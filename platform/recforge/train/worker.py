@@ -89,11 +89,8 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> d
     sharded = shard_model(model, spec.train, world_size=world_size, device=device,
                           placements=mapping.placements if mapping is not None else None)
     executor = make_executor(spec.preprocess_executor, plan, spec.dataset)  # PipelineConfig.preprocess_executor
-    # RAP co-running (spec.preprocessing == "corun"), else None; under the mapping without the input all-to-all
     bs = spec.train.batch_size
     micro = per_rank // accumulation  # rows per forward; a step is `accumulation` of them on every rank
-    corun = start_session(spec, plan, sharded, device, mapping=mapping, rank=rank, world_size=world_size,
-                          batch_size=micro)
     zero_batch = empty(spec.dataset, micro, executor, device)
 
     client = MasterClient(spec.master_url, worker_id=f"rank{rank}-{os.getpid()}", generation=generation,
@@ -129,6 +126,8 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> d
     if sink is not None:  # connect to the tracking store before the clock starts
         sink.log_now({"world_size": float(world_size), "batch_size": float(bs)}, 0)
     samples_before = sum(e.samples for e in state.epochs) + (start.current.samples if start.current else 0)
+    corun = start_session(spec, plan, sharded, device, mapping=mapping, rank=rank, world_size=world_size,
+                          batch_size=micro)  # RAP co-running, else None; created last: the try below closes it
     t_train = time.perf_counter()
     try:
         for epoch in range(start.start_epoch, spec.train.epochs):
