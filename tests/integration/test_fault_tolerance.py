@@ -46,8 +46,8 @@ def data(tmp_path_factory):
     return {"root": root, "ds": ds, "plan": plan, "model": model, "train": train}
 
 
-def spec_for(data, run: Path, **recovery) -> dict:
-    return {
+def spec_for(data, run: Path, spec_extra: dict | None = None, **recovery) -> dict:
+    return {**(spec_extra or {}),
         "manifest_dir": str(data["root"] / "train"), "plan_path": str(data["root"] / "plan.json"),
         "dataset": data["ds"].model_dump(mode="json"), "model": data["model"].model_dump(mode="json"),
         "train": data["train"].model_dump(mode="json"), "checkpoint_dir": str(run / "ckpt"),
@@ -56,7 +56,8 @@ def spec_for(data, run: Path, **recovery) -> dict:
     }
 
 
-def run_job(data, run: Path, *, workers=2, max_restarts=0, faults=None, resume=False, recovery=None, **kw):
+def run_job(data, run: Path, *, workers=2, max_restarts=0, faults=None, resume=False, recovery=None, spec_extra=None,
+            **kw):
     from recforge.config import ResourceConfig
     from recforge.data.manifest import Manifest
     from recforge.elastic.job import run_training_job
@@ -67,7 +68,7 @@ def run_job(data, run: Path, *, workers=2, max_restarts=0, faults=None, resume=F
     env = {"RECFORGE_FAULTS": json.dumps(faults)} if faults else {}
     backend = LocalBackend(max_restarts=0, log_dir=run / "job", env=env, monitor_interval_s=0.5)
     shard_rows = [s.rows for s in Manifest.load(data["root"] / "train").shards]
-    return run_training_job(spec_for(data, run, **(recovery or {})), shard_rows, resources=res,
+    return run_training_job(spec_for(data, run, spec_extra, **(recovery or {})), shard_rows, resources=res,
                             state_dir=run / "job", policy=StaticPolicy(res, cpu_count=2), backend=backend,
                             resume=resume, timeout_s=400, poll_s=0.2, **kw)
 
@@ -131,13 +132,14 @@ def _pid_of(state_file: Path, rank: int, min_done: int) -> int | None:
     return int(workers[-1].split("-")[1])
 
 
-def test_sigkill_of_one_worker_mid_epoch_resumes_from_the_flash_checkpoint(data, reference, tmp_path):
+def _kill_rank1_when(state_file: Path, min_done: int) -> tuple[threading.Thread, dict]:
+    """A thread that SIGKILLs rank 1's worker once the master has `min_done` tasks done; `killed` gets its pid."""
     killed: dict = {}
 
     def killer():
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            pid = _pid_of(tmp_path / "job" / "master_state.json", rank=1, min_done=7)
+            pid = _pid_of(state_file, rank=1, min_done=min_done)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed["pid"] = pid
@@ -146,6 +148,11 @@ def test_sigkill_of_one_worker_mid_epoch_resumes_from_the_flash_checkpoint(data,
 
     t = threading.Thread(target=killer, daemon=True)
     t.start()
+    return t, killed
+
+
+def test_sigkill_of_one_worker_mid_epoch_resumes_from_the_flash_checkpoint(data, reference, tmp_path):
+    t, killed = _kill_rank1_when(tmp_path / "job" / "master_state.json", min_done=7)
     result = run_job(data, tmp_path, max_restarts=2, recovery={"flash": True})
     t.join(timeout=5)
     assert killed, "the worker was never killed"
@@ -322,3 +329,71 @@ def test_rescale_from_two_workers_to_one_reloads_the_checkpoint_resharded(data, 
     got = auc(data, tmp_path)
     print(f"AUC after rescaling 2 -> 1 {got:.4f}, reference {reference['auc']:.4f}")
     assert abs(got - reference["auc"]) <= 0.01
+
+
+def _mapping_file(data, path: Path) -> Path:
+    """RAP's mapping for 2 workers: tables alternately table_wise on rank 0 / 1, schedules over a flat profile."""
+    from recforge.rap.corun_mapping import write_mapping
+    from recforge.rap.mapping import Placement
+    from recforge.rap.scheduler import mapped_rank_schedules
+    from recforge.rap.stages import STAGES
+
+    plan = data["plan"]
+    placements = {t: Placement("table_wise", (i % 2,)) for i, (t, _) in enumerate(plan.tables())}
+    per_rank = [[s for _, s in mapped_rank_schedules(plan, placements, r, 2, BATCH, {s: 1.0 for s in STAGES},
+                                                      {s: 0.5 for s in STAGES},
+                                                      lambda c, rows: (lambda g: 0.001 * rows * len(g.nodes)))]
+                for r in range(2)]
+    write_mapping(path, placements, per_rank, 2, BATCH, {"placed_by": "test: alternate ranks"})
+    return path
+
+
+def _mapped_spec(data, tmp_path) -> dict:
+    return {"preprocessing": "corun", "corun_threads": 1,
+            "corun_mapping_path": str(_mapping_file(data, tmp_path / "mapping.json"))}
+
+
+def test_rap_mapped_corun_resumes_after_a_sigkill(data, reference, tmp_path):
+    """RAP's mapping (ranks lease tasks in turns, each preprocesses the global batch of its tables, no input
+    all-to-all) survives a killed worker: lineage exactly once, the model as good as the reference."""
+    t, killed = _kill_rank1_when(tmp_path / "job" / "master_state.json", min_done=4)
+    result = run_job(data, tmp_path, max_restarts=2, spec_extra=_mapped_spec(data, tmp_path),
+                     rows_per_task=2 * BATCH * 4)
+    t.join(timeout=5)
+    assert killed, "the worker was never killed"
+    assert result.finished and [x["outcome"] for x in result.attempts] == ["failed", "finished"]
+    w = worker_result(tmp_path)
+    assert w["generation"] == 1 and w["samples_per_epoch"] == [ROWS] and w["resumed_from"] is not None
+    mapped = w["rap"]["mapped"]
+    assert mapped["input_all_to_all_used"] is False and mapped["schedules"].keys() == {"global", "local"}
+    a = check_guarantee(data, tmp_path, max_redone_steps=CKPT_EVERY + LOG_EVERY + 1)
+    assert a.chain == [1, 0]
+    state = json.loads((tmp_path / "job" / "master_state.json").read_text())
+    reported = {w_id.split("-")[0] for w_id, st in state["workers"].items() if st["tasks_done"]}
+    assert reported == {"rank0", "rank1"}  # both ranks lease and report (DLRover compares their rates)
+    got = auc(data, tmp_path)
+    print(f"AUC after a SIGKILL under RAP's mapping {got:.4f}, reference {reference['auc']:.4f}")
+    assert abs(got - reference["auc"]) <= 0.01
+
+
+def test_rap_mapped_corun_rescaled_to_one_worker_runs_unmapped(data, reference, tmp_path):
+    """The mapping is planned for 2 workers; after a rescale to 1 the worker co-runs without it (and says so)."""
+    decided: list = []
+
+    def scaler(state, running):
+        if state["tasks"]["done"] >= 3 and not decided:
+            decided.append(state["tasks"]["done"])
+            return 1
+        return None
+
+    result = run_job(data, tmp_path, scaler=scaler, spec_extra=_mapped_spec(data, tmp_path),
+                     rows_per_task=2 * BATCH * 4)
+    assert result.finished and [x["outcome"] for x in result.attempts] == ["rescaled", "finished"]
+    w = worker_result(tmp_path)
+    assert w["world_size"] == 1 and w["resumed_from"]["saved_at_world_size"] == 2
+    assert "mapped" not in w["rap"] and w["rap"]["batches"] > 0  # unmapped co-run on the one worker
+    assert "planned for 2 workers, the job runs 1" in (tmp_path / "job" / "workers.log").read_text()
+    assert w["samples_per_epoch"] == [ROWS]
+    a = check_guarantee(data, tmp_path)
+    assert sum(a.trained.values()) == ROWS
+    assert abs(auc(data, tmp_path) - reference["auc"]) <= 0.01

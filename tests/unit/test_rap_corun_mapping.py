@@ -47,11 +47,28 @@ def test_round_trip_and_jobs_per_rank(tmp_path):
     assert [(s.meta["rows"], s.meta["planned_rows"]) for _, s in halved] == [(B, 2 * B), (B // 2, B)]
 
 
-def test_another_world_size_runs_unmapped(tmp_path, caplog):
+def test_another_world_size_runs_unmapped_with_the_same_table_kinds(tmp_path, caplog):
     path = tmp_path / "m.json"
     _write(path)
     assert load_mapping(path, 1, 0) is None
     assert "planned for 2 workers, the job runs 1" in caplog.text
+    moved = load_mapping(path, 1, 0, dim=8)
+    assert not moved.executed and moved.schedules == []
+    assert moved.placements == {"C1": Placement("table_wise", (0,)), "C2": Placement("data_parallel", (0,)),
+                                "C3": Placement("table_wise", (0,))}
+    assert load_mapping(path, 2, 1, dim=8).executed
+
+
+def test_placements_for_another_world_keep_each_table_kind():
+    from recforge.rap.corun_mapping import placements_for_world
+
+    planned = {"a": Placement("table_wise", (3,)), "b": Placement("column_wise", (0, 1, 2, 3)),
+               "c": Placement("data_parallel", (0, 1, 2, 3))}
+    assert placements_for_world(planned, 2, 16) == {
+        "a": Placement("table_wise", (1,)), "b": Placement("column_wise", (0, 1)),
+        "c": Placement("data_parallel", (0, 1))}
+    # 12 columns do not split into 2 shards of a multiple of 4: the column_wise table goes table_wise (fused too)
+    assert placements_for_world(planned, 2, 12)["b"] == Placement("table_wise", (1,))
 
 
 def test_bad_files_name_what_is_wrong(tmp_path):

@@ -38,9 +38,33 @@ class MappingFileError(ValueError):
 @dataclass
 class WorkerMapping:
     placements: dict[str, Placement]
-    schedules: list[CorunSchedule]  # this rank's jobs, global first
+    schedules: list[CorunSchedule]  # this rank's jobs, global first; empty when not executed (another world size)
     world_size: int
     batch_size: int
+
+    @property
+    def executed(self) -> bool:
+        """False after a rescale to another world size: the tables keep their kinds (so the checkpoint's
+        optimizer state loads), the workers co-run without the mapping."""
+        return bool(self.schedules)
+
+
+def placements_for_world(placements: dict[str, Placement], world_size: int, dim: int) -> dict[str, Placement]:
+    """The same kind per table on `world_size` ranks (a rescaled job keeps fused vs dense kernels, whose optimizer
+    states differ): table_wise on rank r -> r mod world_size; column_wise over every rank when the dimension splits
+    as mapping.candidate_placements allows, else table_wise (also the fused kernel); data_parallel over every rank."""
+    from recforge.rap.mapping import candidate_placements
+
+    out = {}
+    for i, (table, p) in enumerate(sorted(placements.items())):
+        if p.kind == "data_parallel":
+            out[table] = Placement("data_parallel", tuple(range(world_size)))
+        elif p.kind == "column_wise" and (cw := [c for c in candidate_placements(world_size, dim)
+                                                  if c.kind == "column_wise"]):
+            out[table] = cw[0]
+        else:
+            out[table] = Placement("table_wise", ((p.ranks[0] if p.kind == "table_wise" else i) % world_size,))
+    return out
 
 
 def write_mapping(path: Path, placements: dict[str, Placement], per_rank: list[list[CorunSchedule]], world_size: int,
@@ -55,8 +79,9 @@ def write_mapping(path: Path, placements: dict[str, Placement], per_rank: list[l
     tmp.replace(path)
 
 
-def load_mapping(path: str | Path, world_size: int, rank: int) -> WorkerMapping | None:
-    """This rank's part of the mapping file; None (logged) when it was planned for another world size."""
+def load_mapping(path: str | Path, world_size: int, rank: int, dim: int | None = None) -> WorkerMapping | None:
+    """This rank's part of the mapping file. Planned for another world size: with the tables' embedding `dim`, the
+    placements moved to this world size (placements_for_world) and no schedules (not executed), else None."""
     from recforge.rap.mapping_plan import placements_from_json
 
     doc = json.loads(Path(path).read_text())
@@ -66,9 +91,12 @@ def load_mapping(path: str | Path, world_size: int, rank: int) -> WorkerMapping 
     if doc["version"] != MAPPING_VERSION:
         raise MappingFileError(f"mapping file {path}: version {doc['version']}, this code reads {MAPPING_VERSION}")
     if doc["world_size"] != world_size:
-        log.warning("RAP mapping %s was planned for %d workers, the job runs %d: co-run without the mapping",
-                    path, doc["world_size"], world_size)
-        return None
+        log.warning("RAP mapping %s was planned for %d workers, the job runs %d: co-run without the mapping "
+                    "(tables keep their sharding kinds)", path, doc["world_size"], world_size)
+        if dim is None:
+            return None
+        planned = placements_from_json(json.dumps(doc["placements"]))
+        return WorkerMapping(placements_for_world(planned, world_size, dim), [], world_size, int(doc["batch_size"]))
     if len(doc["ranks"]) != world_size:
         raise MappingFileError(f"mapping file {path}: {len(doc['ranks'])} ranks of schedules for world size {world_size}")
     placements = placements_from_json(json.dumps(doc["placements"]))
@@ -110,7 +138,7 @@ def worker_mapping(spec, world_size: int, rank: int) -> WorkerMapping | None:
     """The mapping a worker runs under (spec.preprocessing 'corun' with a mapping file), else None."""
     if spec.preprocessing != "corun" or getattr(spec, "corun_mapping_path", None) is None:
         return None
-    return load_mapping(spec.corun_mapping_path, world_size, rank)
+    return load_mapping(spec.corun_mapping_path, world_size, rank, dim=spec.model.embedding_dim)
 
 
 def mapped_session(spec, plan: Plan, sharded, mapping: WorkerMapping, device: torch.device, rank: int,

@@ -159,7 +159,7 @@ def start_session(spec, plan: Plan, sharded, device: torch.device, mapping=None,
     (recforge.rap.corun_mapping.WorkerMapping) RAP's mapped co-run over local batches of `batch_size` rows."""
     if spec.preprocessing != "corun":
         return None
-    if mapping is not None:
+    if mapping is not None and mapping.executed:
         from recforge.rap.corun_mapping import mapped_session
 
         return mapped_session(spec, plan, sharded, mapping, device, rank, world_size,

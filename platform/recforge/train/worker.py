@@ -86,6 +86,7 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> d
     from recforge.rap.corun_pipeline import epoch_source, start_session
 
     mapping = worker_mapping(spec, world_size, rank)  # RAP's mapping (co-run with a planned mapping), else None
+    # (planned for another world size: its tables' kinds on this one, not executed; the checkpoint's states match)
     sharded = shard_model(model, spec.train, world_size=world_size, device=device,
                           placements=mapping.placements if mapping is not None else None)
     executor = make_executor(spec.preprocess_executor, plan, spec.dataset)  # PipelineConfig.preprocess_executor
