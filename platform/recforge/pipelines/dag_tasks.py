@@ -16,6 +16,7 @@ PARAM_FIELDS = {
     "model_arch": ("model", "arch"),
     "source_dir": ("source_dir",),
     "preprocessing": ("preprocessing",),
+    "corun_mapping": ("corun", "mapping"),
 }
 
 
@@ -65,6 +66,9 @@ def default_params() -> dict[str, dict[str, Any]]:
                           "enum": list(get_args(PipelineConfig.model_fields["preprocessing"].annotation)),
                           "description": "inline: before each step; corun: RAP co-running in the workers; "
                                          "offline: the training data preprocessed first"},
+        "corun_mapping": {"default": cfg.corun.mapping, "type": "boolean",
+                          "description": "with corun and 2+ workers: RAP's mapping (each table's ids preprocessed "
+                                         "on its owner, no input all-to-all)"},
     }
 
 
