@@ -28,21 +28,16 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import platform as py_platform  # noqa: E402
 import shutil  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from recforge.elastic.local import free_port  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _state_bytes(state) -> int:
@@ -190,7 +185,7 @@ def main() -> None:
     shm = Path(tempfile.mkdtemp(prefix="recforge-bench-", dir="/dev/shm"))
     out = disk / "raw.json"
     try:
-        mp.spawn(_worker, args=(_free_port(), {"table_cap": args.table_cap, "dim": args.dim, "repeats": args.repeats,
+        mp.spawn(_worker, args=(free_port(), {"table_cap": args.table_cap, "dim": args.dim, "repeats": args.repeats,
                                                "disk_dir": str(disk), "shm_dir": str(shm)}, str(out)), nprocs=WORLD)
         raw = json.loads(out.read_text())
     finally:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -39,6 +38,7 @@ import torch.distributed as dist
 
 from recforge.config import ModelConfig, TrainConfig
 from recforge.data.shards import read_rows
+from recforge.elastic.local import free_port
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.executors.fused import FusedExecutor
 from recforge.preprocess.presets import load_plan, preset_dataset
@@ -242,9 +242,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     print(f"2 ranks x ({args.threads} trainer + {args.corun_threads} co-run threads), batch {args.batch}/rank, "
           f"{args.steps} steps x {args.rounds} rounds; cpus {os.cpu_count()}, load {os.getloadavg()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_rap_mapping_") as tmp:

@@ -24,13 +24,14 @@ import json  # noqa: E402
 import platform as py_platform  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+from recforge.elastic.local import free_port  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH = 256
@@ -133,12 +134,6 @@ class StaticClient:
         return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sharding_worker(rank: int, port: int, master_urls: list[str], data_root: str, epochs: int, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -199,7 +194,7 @@ def sharding_overhead(data, epochs: int) -> dict:
     masters = [JobMaster(shard_rows, rows_per_task=BATCH * 8, lease_timeout_s=600).start() for _ in range(epochs)]
     out = data["root"] / "sharding.json"
     try:
-        mp.spawn(_sharding_worker, args=(_free_port(), [m.url for m in masters], str(data["root"]), epochs, str(out)),
+        mp.spawn(_sharding_worker, args=(free_port(), [m.url for m in masters], str(data["root"]), epochs, str(out)),
                  nprocs=2)
     finally:
         for m in masters:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from recforge.elastic.local import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -22,12 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train_distributed import NUM_DENSE, TABLES, _data, _kjt, _model_cfg  # noqa: E402
 
 STEP_ROWS = 8  # global rows per step
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build(world, fused=True, sharding="auto"):
@@ -86,7 +81,7 @@ def world1():
     """This process as a one-rank gloo group."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
@@ -97,7 +92,7 @@ def saved_by_two_ranks(tmp_path_factory):
     import torch.multiprocessing as mp
 
     root = tmp_path_factory.mktemp("ckpt2")
-    mp.spawn(_save_worker, args=(2, _free_port(), str(root)), nprocs=2)
+    mp.spawn(_save_worker, args=(2, free_port(), str(root)), nprocs=2)
     return root
 
 

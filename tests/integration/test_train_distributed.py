@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+
+from recforge.elastic.local import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -121,16 +122,10 @@ def _reference_predictions():
         return model(dense[:16], _kjt(ids[:16]))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_distributed_steps_equal_single_process_steps(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_step_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_step_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     ref = _reference_predictions()
     torch.manual_seed(0)
     from recforge.train.model import build_dlrm

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
 from recforge.config import DatasetConfig, DenseFeature, SparseFeature
+from recforge.elastic.local import free_port
 from recforge.elastic.tasks import Task
 
 DS = DatasetConfig(
@@ -183,16 +183,10 @@ def _local(t):
     return t.detach().clone()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_mapped_training_equals_input_all_to_all(tmp_path, manifest_dir):
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(_free_port(), str(manifest_dir), str(tmp_path)), nprocs=WORLD)
+    mp.spawn(_worker, args=(free_port(), str(manifest_dir), str(tmp_path)), nprocs=WORLD)
     outs = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(WORLD)]
     base = outs[0]["unmapped"]
     assert len(base["losses"]) == 2 + 3 + 4  # global batches of 32 rows: ceil(50/32) + ceil(80/32) + ceil(100/32)
@@ -260,7 +254,7 @@ def test_a_failed_lease_fails_every_rank(tmp_path, manifest_dir):
     """The leaser's error reaches the ranks waiting for its broadcast (they would otherwise hang)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_lease_failure_worker, args=(_free_port(), str(manifest_dir), str(tmp_path)), nprocs=WORLD)
+    mp.spawn(_lease_failure_worker, args=(free_port(), str(manifest_dir), str(tmp_path)), nprocs=WORLD)
     assert (tmp_path / "lease-0.txt").read_text() == "ConnectionError: master unreachable"
     assert (tmp_path / "lease-1.txt").read_text() == \
         "RuntimeError: rank 0 could not lease a task: ConnectionError: master unreachable"

@@ -8,11 +8,12 @@ table exercises the empty global input.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+
+from recforge.elastic.local import free_port
 
 TABLES = [("C1", 50), ("C2", 70), ("C3", 30), ("C4", 20)]
 NUM_DENSE, DIM, B, WORLD = 3, 8, 5, 2
@@ -121,12 +122,6 @@ def _worker(rank, port, out_dir, case):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dense(t):
     if hasattr(t, "local_shards"):  # a ShardedTensor: this rank's shards (none when it holds no part of the table)
         return torch.cat([torch.empty(0)] + [s.tensor.reshape(-1) for s in t.local_shards()])
@@ -137,7 +132,7 @@ def _dense(t):
 def test_mapped_input_trains_like_the_input_all_to_all(tmp_path, case):
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), case), nprocs=WORLD)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path), case), nprocs=WORLD)
     for rank in range(WORLD):
         out = torch.load(tmp_path / f"{case}-{rank}.pt", weights_only=False)
         held = {t for t, (k, r) in PLACEMENTS[case].items() if k != "data_parallel" and rank in r}

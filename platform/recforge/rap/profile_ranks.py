@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,16 +21,11 @@ from pathlib import Path
 
 import torch
 
+from recforge.elastic.local import free_port
 from recforge.preprocess.plan import Plan
 from recforge.rap.profiler import ProfileKey, StageProfile
 
 TIMEOUT_S = 900
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def profile_in_processes(cfg, plan: Plan, dataset, world_size: int, manifest_dir: str | Path, threads: int,
@@ -44,7 +38,7 @@ def profile_in_processes(cfg, plan: Plan, dataset, world_size: int, manifest_dir
             "plan": str(Path(tmp) / "plan.json"), "dataset": dataset.model_dump(mode="json"),
             "world_size": world_size, "manifest_dir": str(manifest_dir), "threads": threads, "device": device.type,
             "out": str(Path(tmp) / "profile.json")}))
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": str(threads)}
         procs: list[subprocess.Popen] = []
         try:
