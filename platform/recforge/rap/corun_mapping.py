@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,8 @@ def mapped_jobs(plan: Plan, dataset: DatasetConfig, mapping: WorkerMapping, rank
             sched = dataclasses.replace(sched, meta={**sched.meta, "planned_rows": sched.meta.get("rows"),
                                                      "rows": rows})
         jobs.append((FusedExecutor(sub, dataset, method=COMPILE_METHOD), sched))
-    missing = [j for j, sub in subs.items() if sub is not None and j not in {s.meta.get("job") for s in mapping.schedules}]
+    scheduled = {s.meta.get("job") for s in mapping.schedules}
+    missing = [j for j, sub in subs.items() if sub is not None and j not in scheduled]
     if missing:
         raise MappingFileError(f"mapping: rank {rank} has no schedule for its {missing} job(s)")
     return jobs
@@ -136,7 +138,7 @@ def mapped_jobs(plan: Plan, dataset: DatasetConfig, mapping: WorkerMapping, rank
 
 def worker_mapping(spec, world_size: int, rank: int) -> WorkerMapping | None:
     """The mapping a worker runs under (spec.preprocessing 'corun' with a mapping file), else None."""
-    if spec.preprocessing != "corun" or getattr(spec, "corun_mapping_path", None) is None:
+    if spec.preprocessing != "corun" or spec.corun_mapping_path is None:
         return None
     return load_mapping(spec.corun_mapping_path, world_size, rank, dim=spec.model.embedding_dim)
 
@@ -188,9 +190,7 @@ def plan_mapped_schedules(cfg, plan: Plan, world_size: int, profile, out_path: P
             s.meta["predicted_by"] = "recforge.rap.simulator, method rap, under these placements (all ranks)"
     info |= {"placed_by": how, "simulated_iteration_ms": simulated}
     write_mapping(out_path, placements, per_rank, world_size, batch, info)
-    kinds: dict[str, int] = {}
-    for p in placements.values():
-        kinds[p.kind] = kinds.get(p.kind, 0) + 1
+    kinds = dict(Counter(p.kind for p in placements.values()))
     return {"mapping_path": str(out_path), "placed_by": how, "placement_kinds": kinds,
             "imbalance_before": (info.get("before") or {}).get("imbalance"),
             "imbalance_after": (info.get("after") or {}).get("imbalance"),

@@ -62,6 +62,7 @@ class CorunSession:
         else:
             self.runtime = CorunRuntime(executor or corun_executor(plan, dataset), schedule, device, threads=threads)
         self.mapped = mapped
+        self.input_all_to_all_used: bool | None = None  # mapped: set at close (before anything else runs the model)
         if mapped is not None:
             check_jobs_match_sharding(self.runtime, mapped)
         self.tracker = StageTracker(model, on_enter=self.runtime.on_enter)
@@ -128,7 +129,7 @@ class CorunSession:
             "schedule": json.loads(schedules[-1].to_json()),
         }
         if self.mapped is not None:  # one schedule per job, in job order (global first); `schedule` is the local one
-            out["mapped"] = {"input_all_to_all_used": getattr(self, "input_all_to_all_used", None),
+            out["mapped"] = {"input_all_to_all_used": self.input_all_to_all_used,
                              "global_features": self.mapped.global_features,
                              "local_features": self.mapped.local_features,
                              "schedules": {j.name: json.loads(j.schedule.to_json()) for j in self.runtime.jobs}}

@@ -54,15 +54,13 @@ class MappedTaskBatches(TaskBatches):
         self.local_executor, self.global_executor = local_executor, global_executor
         self.rank, self.world_size = rank, world_size
         self._leases = 0  # lease turns taken so far (the same count on every rank)
-        self._leaser: dict[str, int] = {}  # task id -> the rank that leased it
+        self._leaser: dict[str, int] = {}  # task id -> the rank that leased it (this epoch's tasks)
 
     # ------------------------------------------------------------------ batches
 
     def next(self) -> Batch | None:
-        while self._raw is None or self._offset >= self._raw.rows:
-            if self._exhausted or not self._lease():
-                self._exhausted = True
-                return None
+        if not self.hold_task():
+            return None
         w, b, r = self.world_size, self.batch_size, self.rank
         start, end = self._offset, min(self._offset + w * b, self._raw.rows)
         self._offset = end
@@ -85,51 +83,33 @@ class MappedTaskBatches(TaskBatches):
             local_kjt = None
         return MappedFeatures(local=local_kjt, global_=global_kjt, batch_size=self.batch_size)
 
-    def trained(self, batch: Batch) -> None:
-        if self.ledger is not None and batch.task_id is not None and batch.row_end > batch.row_start:
-            self.ledger.record(batch.epoch, batch.shard, batch.row_start, batch.row_end)
-        if batch.last_of_task and batch.task_id is not None:
-            if self._leaser.pop(batch.task_id, None) == self.rank:
-                self.client.done(batch.task_id, samples=batch.task_rows)
-                self.tasks_done += 1  # this rank's, as TaskBatches counts them
-            if self._task is not None and self._task.task_id == batch.task_id:
-                self._raw, self._task = None, None
-
-    def progress(self) -> dict[str, int]:
-        """The task's leaser reports its rows handed out (every rank is at the same offset)."""
-        if self._task is None or self._leaser.get(self._task.task_id) != self.rank:
-            return {}
-        return super().progress()
-
     # ------------------------------------------------------------------ tasks
 
-    def _lease(self) -> bool:
-        while True:
-            src = self._leases % self.world_size
-            self._leases += 1
-            box: list = [None]
-            if self.rank == src:
-                try:
-                    box[0] = self.client.lease()
-                except Exception as e:  # the others wait in the broadcast: tell them, then raise everywhere
-                    box[0] = LeaseFailed(f"rank {src} could not lease a task: {type(e).__name__}: {e}")
-                    if self.world_size > 1:
-                        dist.broadcast_object_list(box, src=src)
-                    raise
-            if self.world_size > 1:
-                dist.broadcast_object_list(box, src=src)
-            task = box[0]
-            if isinstance(task, LeaseFailed):
-                raise RuntimeError(str(task))
-            if task is None:
-                return False
+    def reports(self, task_id: str) -> bool:
+        """The rank that leased the task reports it done and holds its progress (every rank is at its offset)."""
+        return self._leaser.get(task_id) == self.rank
+
+    def lease_task(self):
+        """Rank (turn mod W) leases, the others receive the task (or None) from its broadcast."""
+        src = self._leases % self.world_size
+        self._leases += 1
+        box: list = [None]
+        if self.rank == src:
+            try:
+                box[0] = self.client.lease()
+            except Exception as e:  # the others wait in the broadcast: tell them, then raise everywhere
+                box[0] = LeaseFailed(f"rank {src} could not lease a task: {type(e).__name__}: {e}")
+                if self.world_size > 1:
+                    dist.broadcast_object_list(box, src=src)
+                raise
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=src)
+        task = box[0]
+        if isinstance(task, LeaseFailed):
+            raise RuntimeError(str(task))
+        if task is not None:
             self._leaser[task.task_id] = src
-            self._task, self._raw, self._offset = task, self.read_task(task), 0
-            if self._raw.rows:
-                return True
-            if self._leaser.pop(task.task_id) == self.rank:  # an empty task: nothing to train, done at once
-                self.client.done(task.task_id, samples=0)
-            self._raw = None
+        return task
 
 
 class MappedCorunBatches(CorunReadAhead, MappedTaskBatches):

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
+from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.types import ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recforge.train.model import EBC_PATH
 
 GLOBAL_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value)
 LOCAL_TYPES = (ShardingType.DATA_PARALLEL.value,)
@@ -69,10 +69,9 @@ def _select(kjt: KeyedJaggedTensor | None, keys: Sequence[str], stride: int, wha
     missing = [k for k in keys if k not in have]
     if missing:
         raise MappedInputError(f"mapped input: {what} features {missing} missing (given: {have})")
-    index = {k: i for i, k in enumerate(have)}
     if list(keys) == list(have):
         return kjt
-    return kjt.permute([index[k] for k in keys])
+    return kjt.permute([have.index(k) for k in keys])
 
 
 class MappedInput:
@@ -98,17 +97,15 @@ class MappedInput:
 
     @classmethod
     def install(cls, model: torch.nn.Module, rank: int, world_size: int) -> "MappedInput":
-        """Find the sharded EBC in `model` (a DMP) and swap its forward; idempotent."""
+        """Find the sharded EBC in `model` (a DMP) and swap its forward for the mapped one; idempotent. The
+        instance attribute shadows the class's forward, so module hooks still run around it."""
         sebc = _sharded_ebc(model)
-        current = sebc.__dict__.get("forward")
-        if isinstance(current, _Forward):
-            return current.mapped
+        installed = getattr(sebc.__dict__.get("forward"), "__self__", None)
+        if isinstance(installed, MappedInput):
+            return installed
         mapped = cls(sebc, rank, world_size)
-        sebc.forward = _Forward(mapped)
+        sebc.forward = mapped.forward
         return mapped
-
-    def uninstall(self) -> None:
-        self.sebc.__dict__.pop("forward", None)
 
     @property
     def global_features(self) -> list[str]:
@@ -135,31 +132,11 @@ class MappedInput:
             else:
                 dist_input.append(_select(features.local, s.keys, b, "local"))
             ctx.sharding_contexts.append(EmbeddingShardingContext(batch_size_per_feature_pre_a2a=[b] * s.inputs))
-        from torchrec.distributed.embedding_types import KJTList
-
         return self.sebc.compute_and_output_dist(ctx, KJTList(dist_input))
 
 
-class _Forward:
-    """Callable stored as the module's `forward` attribute (module hooks still run around it)."""
-
-    def __init__(self, mapped: MappedInput) -> None:
-        self.mapped = mapped
-
-    def __call__(self, features, *args, **kwargs):
-        return self.mapped.forward(features, *args, **kwargs)
-
-
 def _sharded_ebc(model: torch.nn.Module) -> ShardedEmbeddingBagCollection:
-    inner = model.module if hasattr(model, "module") and not hasattr(model, "sparse_arch") else model
-    for path in (EBC_PATH, "module." + EBC_PATH, "_dmp_wrapped_module.module." + EBC_PATH):
-        try:
-            mod = model.get_submodule(path)
-        except AttributeError:
-            continue
-        if isinstance(mod, ShardedEmbeddingBagCollection):
-            return mod
-    for mod in inner.modules():
+    for mod in model.modules():
         if isinstance(mod, ShardedEmbeddingBagCollection):
             return mod
     raise MappedInputError(f"mapped input: {type(model).__name__} has no ShardedEmbeddingBagCollection "

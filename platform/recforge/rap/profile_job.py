@@ -135,47 +135,43 @@ def job_step(cfg, plan: Plan, dataset, manifest_dir: str | Path, world_size: int
 _STOP, _STEP, _PROXY = 0, 1, 2
 
 
-class _Lead:
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-
-    def send(self, kind: int, a: int = 0, b: int = 0) -> None:
-        if self.world_size > 1:
-            dist.broadcast(torch.tensor([kind, a, b], dtype=torch.int64), src=0)
+def _tell(world_size: int, kind: int, a: int = 0, b: int = 0) -> None:
+    """Rank 0's message to the other ranks (nothing to tell in a single-rank profile)."""
+    if world_size > 1:
+        dist.broadcast(torch.tensor([kind, a, b], dtype=torch.int64), src=0)
 
 
 def _target_code(target) -> tuple[int, int]:
     return (-1, 0) if target is None else (STAGES.index(target[0]), int(target[1]))
 
 
-def lead_profile(cfg, key: ProfileKey, tracker, step, device: torch.device, threads: int, world_size: int
+def lead_profile(cfg, key: ProfileKey, tracker, step, device: torch.device, world_size: int
                  ) -> tuple[StageProfile, int]:
     """Rank 0 (or the only rank): warm up, size the proxy, run the StageProfiler; (profile, max_units)."""
-    lead = _Lead(world_size)
     batch_size = cfg.train.batch_size
     threshold = CUDA_THRESHOLD if device.type == "cuda" else CPU_THRESHOLD
     profiler: StageProfiler | None = None
 
     def led_step() -> None:
-        lead.send(_STEP, *_target_code(profiler.target if profiler is not None else None))
+        _tell(world_size, _STEP, *_target_code(profiler.target if profiler is not None else None))
         step()
 
-    runner, done = None, False
+    runner = None
     try:
         for _ in range(WARMUP):
             led_step()
         longest = max(statistics.median(t.ms[s] for t in tracker.steps) for s in STAGES)
         unit_ms = ProxyKernel(batch_size, device, max_units=1).standalone_ms(1)
         max_units = proxy_units(batch_size, longest, unit_ms)
-        lead.send(_PROXY, max_units)
+        _tell(world_size, _PROXY, max_units)
         runner = BackgroundRunner(cfg.corun.threads, device if device.type == "cuda" else None)
         profiler = StageProfiler(tracker, led_step, ProxyKernel(batch_size, device, max_units=max_units), runner,
                                  steps_per_point=STEPS_PER_POINT, warmup=1, paired=True)
         profile = profiler.run(key, threshold=threshold, max_units=max_units)
-        done = True
+        # not after a failure: the others may be inside a step's collectives; this rank exits and the launcher
+        # (recforge.rap.profile_ranks) ends them
+        _tell(world_size, _STOP)
     finally:
-        if done:  # after a failure the others may be inside a step's collectives: this rank exits, the launcher
-            lead.send(_STOP)  # ends them (recforge.rap.profile_ranks)
         if runner is not None:
             runner.close()
     return profile, max_units
@@ -231,12 +227,12 @@ def profile_job(cfg, plan: Plan, world_size: int, manifest_dir: str | Path, thre
                 tracker, step, served = job_step(cfg, plan, dataset, manifest_dir, 1, device)
                 t_steps = time.perf_counter()
                 try:
-                    profile, max_units = lead_profile(cfg, key, tracker, step, device, threads, 1)
+                    profile, max_units = lead_profile(cfg, key, tracker, step, device, 1)
                 finally:
                     tracker.detach()
         finally:
             torch.set_num_threads(before)
-        describe(profile, key, threads, max_units, served[0], 1, t_steps)
+        describe(profile, key, threads, max_units, served[0], t_steps)
     profile.meta["seconds"] = round(time.perf_counter() - t0, 3)  # all of it, the executor's first call included
     log.info("profiled %s in %.1f s (%.1f s of %d steps on %d ranks, threshold %.0f%%): stage ms %s, capacity ms %s",
              key.slug(), profile.meta["seconds"], profile.meta["step_seconds"], profile.meta["steps"], world_size,
@@ -245,9 +241,9 @@ def profile_job(cfg, plan: Plan, world_size: int, manifest_dir: str | Path, thre
     return profile
 
 
-def describe(profile: StageProfile, key: ProfileKey, threads: int, max_units: int, steps: int, ranks: int,
-             t_steps: float) -> None:
-    """What the profile measured, into its meta."""
+def describe(profile: StageProfile, key: ProfileKey, threads: int, max_units: int, steps: int, t_steps: float) -> None:
+    """What the profile measured (on key.world_size ranks), into its meta."""
+    ranks = key.world_size
     profile.meta |= {
         "source": f"recforge.rap.profile_job: profiling run of the job's model on its first batches, {ranks} "
                   f"rank(s) (rank 0's stages; every rank co-runs the proxy)",
@@ -257,9 +253,6 @@ def describe(profile: StageProfile, key: ProfileKey, threads: int, max_units: in
         "proxy": "fused_ngram(n=4) over [batch, 8] float32, 4 features per unit (RAP's proxy)",
         "step_seconds": round(time.perf_counter() - t_steps, 3),  # the profiling steps and the search
     }
-    if key.world_size > ranks:
-        log.warning("stage profile for world size %d measured on %d rank(s): collectives are not in it",
-                    key.world_size, ranks)
 
 
 def profile_figure(profile: StageProfile):

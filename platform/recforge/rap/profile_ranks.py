@@ -34,7 +34,7 @@ def profile_in_processes(cfg, plan: Plan, dataset, world_size: int, manifest_dir
         job = Path(tmp) / "job.json"
         plan.save(Path(tmp) / "plan.json")
         job.write_text(json.dumps({
-            "cfg": cfg.model_dump(mode="json"), "cfg_class": f"{type(cfg).__module__}.{type(cfg).__qualname__}",
+            "cfg": cfg.model_dump(mode="json"),
             "plan": str(Path(tmp) / "plan.json"), "dataset": dataset.model_dump(mode="json"),
             "world_size": world_size, "manifest_dir": str(manifest_dir), "threads": threads, "device": device.type,
             "out": str(Path(tmp) / "profile.json")}))
@@ -75,16 +75,13 @@ def _wait_all(procs: list[subprocess.Popen], deadline: float) -> list[tuple[int,
 
 
 def main(job_path: str) -> None:
-    import importlib
-
     import torch.distributed as dist
 
-    from recforge.config import DatasetConfig
+    from recforge.config import DatasetConfig, PipelineConfig
     from recforge.rap.profile_job import describe, follow_profile, job_step, lead_profile
 
     job = json.loads(Path(job_path).read_text())
-    module, _, name = job["cfg_class"].rpartition(".")
-    cfg = getattr(importlib.import_module(module), name).model_validate(job["cfg"])
+    cfg = PipelineConfig.model_validate(job["cfg"])
     plan, dataset = Plan.load(job["plan"]), DatasetConfig.model_validate(job["dataset"])
     rank, world = int(os.environ["RANK"]), int(job["world_size"])
     threads = int(job["threads"])
@@ -101,8 +98,8 @@ def main(job_path: str) -> None:
         t_steps = time.perf_counter()
         if rank == 0:
             key = ProfileKey.of(cfg.model, plan.tables(), world, cfg.train.batch_size, device)
-            profile, max_units = lead_profile(cfg, key, tracker, step, device, threads, world)
-            describe(profile, key, threads, max_units, served[0], world, t_steps)
+            profile, max_units = lead_profile(cfg, key, tracker, step, device, world)
+            describe(profile, key, threads, max_units, served[0], t_steps)
             out = Path(job["out"])
             out.with_suffix(".tmp").write_text(profile.to_json())
             out.with_suffix(".tmp").replace(out)

@@ -81,10 +81,8 @@ class TaskBatches:
         self.ledger = ledger
 
     def next(self) -> Batch | None:
-        while self._raw is None or self._offset >= self._raw.rows:
-            if self._exhausted or not self._lease():
-                self._exhausted = True
-                return None
+        if not self.hold_task():
+            return None
         start, end = self._offset, min(self._offset + self.batch_size, self._raw.rows)
         self._offset = end
         return self.stamp(self.prepare(slice_raw(self._raw, start, end)), start, end, last=end >= self._raw.rows)
@@ -102,19 +100,32 @@ class TaskBatches:
         """One batch's rows -> a trainable Batch (the RAP co-run source overrides it to defer preprocessing)."""
         return prepare(raw, self.batch_size, self.executor, self.device)
 
+    def hold_task(self) -> bool:
+        """Hold a task with rows left (leasing as needed); False once the master has none for this rank."""
+        while self._raw is None or self._offset >= self._raw.rows:
+            if self._exhausted or not self._lease():
+                self._exhausted = True
+                return False
+        return True
+
+    def reports(self, task_id: str) -> bool:
+        """Whether this rank reports the task to the master: the rank that leased it (here always this one)."""
+        return True
+
     def progress(self) -> dict[str, int]:
         """{task id: rows of it handed out as batches} for the task this rank holds; after `trained` was
         called for every batch handed out, that is how much of it the model has seen."""
-        if self._task is None or self._raw is None:
+        if self._task is None or self._raw is None or not self.reports(self._task.task_id):
             return {}
         return {self._task.task_id: self._offset}
 
     def trained(self, batch: Batch) -> None:
-        if self.ledger is not None and batch.task_id is not None:
+        if self.ledger is not None and batch.task_id is not None and batch.row_end > batch.row_start:
             self.ledger.record(batch.epoch, batch.shard, batch.row_start, batch.row_end)
         if batch.last_of_task and batch.task_id is not None:
-            self.client.done(batch.task_id, samples=batch.task_rows)
-            self.tasks_done += 1
+            if self.reports(batch.task_id):
+                self.client.done(batch.task_id, samples=batch.task_rows)
+                self.tasks_done += 1
             if self._task is not None and self._task.task_id == batch.task_id:
                 self._raw, self._task = None, None  # else (micro-batches) the next task is already leased
 
@@ -125,12 +136,17 @@ class TaskBatches:
             raise RuntimeError(f"task {task.task_id}: read {rb.num_rows} rows, expected {task.row_end - task.row_start}")
         return RawBatch.from_arrow(rb, self.dataset)
 
+    def lease_task(self):
+        """The next task for this rank from the master, or None (the mapped source leases in turns)."""
+        return self.client.lease()
+
     def _lease(self) -> bool:
-        task = self.client.lease()
+        task = self.lease_task()
         if task is None:
             return False
         self._task, self._raw, self._offset = task, self.read_task(task), 0
         if self._raw.rows == 0:  # an empty task: nothing to train, done at once
-            self.client.done(task.task_id, samples=0)
+            if self.reports(task.task_id):
+                self.client.done(task.task_id, samples=0)
             self._raw = None
         return True
