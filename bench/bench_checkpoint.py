@@ -5,11 +5,11 @@ capped at --table-cap rows) after a few training steps, with optimizer state. Ea
 full training state (model + optimizer) --repeats times, side by side in one run; the stall is the
 wall time both ranks are away from training (measured on rank 0 between barriers), median reported:
 
-  flash (shm)          recforge.train.flash.FlashSnapshotter.save, fast path: every rank copies its tensors'
+  flash (shm)          recforge.train.recovery.flash.FlashSnapshotter.save, fast path: every rank copies its tensors'
                        bytes into the layout of its first snapshot in /dev/shm (no collective, no pickling)
   flash first (shm)    the first snapshot of a group: a DCP save into /dev/shm that records the layout
   dcp sync (disk)      torch.distributed.checkpoint.save to disk, fsync (the default FileSystemWriter)
-  recforge disk        recforge.train.resume.save_disk: DCP + sha256 checksums + rename (the no-agent path)
+  recforge disk        recforge.train.recovery.resume.save_disk: DCP + sha256 checksums + rename (the no-agent path)
   torch.save (disk)    each rank torch.save()s its state_dict (local shards, pickled) + fsync
   torch.save no fsync  the same, left in the page cache
 
@@ -34,7 +34,7 @@ import time  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from recforge.elastic.local import free_port  # noqa: E402
+from recforge.elastic.backends.local import free_port  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORLD = 2
@@ -70,11 +70,11 @@ def _worker(rank: int, port: int, args: dict, out: str) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
     from recforge.config import ModelConfig, TrainConfig, dataset_preset
-    from recforge.elastic.flash_checkpoint import FlashPersister
-    from recforge.preprocess.plan import criteo_plan
-    from recforge.train.flash import FlashSnapshotter
+    from recforge.elastic.agent.flash_checkpoint import FlashPersister
+    from recforge.preprocess.planning.plan import criteo_plan
+    from recforge.train.recovery.flash import FlashSnapshotter
     from recforge.train.model import build_dlrm
-    from recforge.train.resume import save_disk, training_state
+    from recforge.train.recovery.resume import save_disk, training_state
     from recforge.train.sharding import shard_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -24,7 +24,7 @@ import torch
 import recforge.recom as recom
 from recforge.config import ModelConfig, dataset_preset
 from recforge.preprocess.module import PreprocessModule
-from recforge.preprocess.plan import criteo_plan
+from recforge.preprocess.planning.plan import criteo_plan
 from recforge.recom.report import fixed_threads, measure_latency
 from recforge.train.model import build_dlrm
 

@@ -43,11 +43,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from recforge.preprocess.compiler import compile_plan
+from recforge.preprocess.planning.compiler import compile_plan
 from recforge.preprocess.executor import make_executor
 from recforge.preprocess.executors.dali import dali_available
 from recforge.preprocess.module import PreprocessModule
-from recforge.preprocess.ops import logit_bounds
+from recforge.preprocess.semantics.ops import logit_bounds
 from recforge.preprocess.presets import load_plan, preset_dataset
 from recforge.preprocess.synth import random_raw_batch
 from recforge_kernels import cpu_ext

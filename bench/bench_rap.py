@@ -3,7 +3,7 @@
   ideal    every batch preprocessed before training starts (RAP's "Ideal")
   inline   each batch preprocessed right before its step, on the training thread (RAP's "Sequential")
   corun    RAP: batch i+1's fused kernels run on the co-run thread, launched at the stage boundaries of step i
-           (recforge.rap.runtime), leftovers finished before step i+1
+           (recforge.rap.runtime.corun_runtime), leftovers finished before step i+1
 
 One process, one single-rank gloo group, the real trainer (recforge.train.loop.train_epoch over TaskBatches /
 CorunTaskBatches, a fixed task list standing in for the job master). The raw rows of each task are read from the
@@ -39,14 +39,14 @@ from recforge.config import ModelConfig, TrainConfig
 from recforge.data.generator import generate_days
 from recforge.data.ingest import ingest
 from recforge.data.shards import read_rows
-from recforge.elastic.tasks import Task
+from recforge.elastic.master.tasks import Task
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.executor import make_executor
 from recforge.preprocess.presets import load_plan, preset_dataset
 from recforge.preprocess.synth import random_raw_batch
-from recforge.rap.corun_batches import CorunTaskBatches, PreprocessedBatches
-from recforge.rap.corun_session import CorunSession
-from recforge.rap.schedule import CorunSchedule, whole_kernel_schedule
+from recforge.rap.runtime.corun_batches import CorunTaskBatches, PreprocessedBatches
+from recforge.rap.runtime.session import CorunSession
+from recforge.rap.planning.schedule import CorunSchedule, whole_kernel_schedule
 from recforge.train.batches import TaskBatches, slice_raw
 from recforge.train.loop import LoopState, train_epoch
 from recforge.train.model import build_dlrm
@@ -233,7 +233,7 @@ def main() -> None:
     ap.add_argument("--sharding", default="table_wise")
     ap.add_argument("--stage", default="mlp_bwd", help="without --schedule: the stage every kernel starts in (the "
                     "pipeline's default: the longest stage; autograd runs in C++ and needs the GIL least)")
-    ap.add_argument("--schedule", type=Path, default=None, help="a co-run schedule JSON (recforge.rap.schedule)")
+    ap.add_argument("--schedule", type=Path, default=None, help="a co-run schedule JSON (recforge.rap.planning.schedule)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_rap.json")
     args = ap.parse_args()

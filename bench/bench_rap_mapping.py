@@ -3,7 +3,7 @@
   unmapped_inline  every rank preprocesses every feature of its local batch before its step; torchrec's input
                    all-to-all moves the ids to their tables' owners (RAP's "w/o mapping", without co-running)
   mapped_inline    each rank preprocesses the tables it holds over the global batch and its dense / data-parallel
-                   features over its local batch; no input all-to-all (recforge.rap.mapped_input)
+                   features over its local batch; no input all-to-all (recforge.rap.mapping.mapped_input)
   unmapped_corun   as unmapped_inline, the kernels co-run in step i's stages (one job)
   mapped_corun     RAP: as mapped_inline, co-run (two jobs: global, local)
 
@@ -38,16 +38,16 @@ import torch.distributed as dist
 
 from recforge.config import ModelConfig, TrainConfig
 from recforge.data.shards import read_rows
-from recforge.elastic.local import free_port
+from recforge.elastic.backends.local import free_port
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.executors.fused import FusedExecutor
 from recforge.preprocess.presets import load_plan, preset_dataset
-from recforge.rap.corun_batches import CorunBatch, CorunReadAhead
-from recforge.rap.corun_session import CorunSession
-from recforge.rap.mapped_batches import MappedCorunBatches, MappedTaskBatches
-from recforge.rap.mapped_input import MappedInput
-from recforge.rap.mapping import from_torchrec, split_rank_plan
-from recforge.rap.schedule import whole_kernel_schedule
+from recforge.rap.runtime.corun_batches import CorunBatch, CorunReadAhead
+from recforge.rap.runtime.session import CorunSession
+from recforge.rap.mapping.mapped_batches import MappedCorunBatches, MappedTaskBatches
+from recforge.rap.mapping.mapped_input import MappedInput
+from recforge.rap.mapping.milp import from_torchrec, split_rank_plan
+from recforge.rap.planning.schedule import whole_kernel_schedule
 from recforge.train.batches import Batch, slice_raw
 from recforge.train.loop import LoopState, train_epoch
 from recforge.train.model import build_dlrm

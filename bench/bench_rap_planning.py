@@ -3,7 +3,7 @@ profile, and the mapping MILP (solve time, imbalance before / after).
 
     python bench/bench_rap_planning.py [--threads 1] [--repeats 7]
 
-1. cost model: measures the fused executor (recforge.rap.cost_probe) over ops x fusion degree x rows x width,
+1. cost model: measures the fused executor (recforge.rap.profiling.cost_probe) over ops x fusion degree x rows x width,
    fits, prints the share of held-out predictions within 10% (overall and per op).
 2. simulator: plan 0, 4 GPUs, local batch 4096, GPU 0 stages 0.93 1.92 2.86 0.99 1.37 ms, capacities 24 28 52 30
    64 proxy units (RAP.md §3.3), the artifact's table placement; kernel costs scaled to RAP.md's 0.49 ms for GPU 0;
@@ -22,10 +22,14 @@ from pathlib import Path
 
 import torch
 
-from recforge.preprocess.compiler import compile_plan
+from recforge.preprocess.planning.compiler import compile_plan
 from recforge.preprocess.presets import load_plan
-from recforge.rap import cost_model, cost_probe, gantt, mapping, simulator
-from recforge.rap.stages import STAGES
+from recforge.rap.profiling import cost_model
+from recforge.rap.profiling import cost_probe
+from recforge.rap.planning import gantt
+from recforge.rap.mapping.milp import milp as mapping
+from recforge.rap.planning import simulator
+from recforge.rap.profiling.stages import STAGES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STAGE_MS = dict(zip(STAGES, [0.93, 1.92, 2.86, 0.99, 1.37]))

@@ -31,7 +31,7 @@ import time  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from recforge.elastic.local import free_port  # noqa: E402
+from recforge.elastic.backends.local import free_port  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH = 256
@@ -41,7 +41,7 @@ def prepare(root: Path, rows: int):
     from recforge.config import ModelConfig, TrainConfig, dataset_preset
     from recforge.data.generator import generate_days
     from recforge.data.ingest import ingest
-    from recforge.preprocess.plan import criteo_plan
+    from recforge.preprocess.planning.plan import criteo_plan
 
     ds = dataset_preset("criteo_kaggle")
     generate_days(ds, root / "raw", days=1, rows_per_day=rows, seed=3)
@@ -83,7 +83,7 @@ def recovery_run(data, run: Path, flash: bool) -> dict:
     from recforge.config import ResourceConfig
     from recforge.data.manifest import Manifest
     from recforge.elastic.job import run_training_job
-    from recforge.elastic.local import LocalBackend
+    from recforge.elastic.backends.local import LocalBackend
     from recforge.elastic.policy import StaticPolicy
 
     spec = {
@@ -139,11 +139,11 @@ def _sharding_worker(rank: int, port: int, master_urls: list[str], data_root: st
     import torch.distributed as dist
 
     from recforge.config import ModelConfig, TrainConfig, dataset_preset
-    from recforge.elastic.client import MasterClient
-    from recforge.elastic.tasks import TaskQueue
+    from recforge.elastic.agent.client import MasterClient
+    from recforge.elastic.master.tasks import TaskQueue
     from recforge.data.manifest import Manifest
     from recforge.preprocess.executor import TorchExecutor
-    from recforge.preprocess.plan import Plan
+    from recforge.preprocess.planning.plan import Plan
     from recforge.train.batches import TaskBatches, empty
     from recforge.train.loop import Heartbeat, LoopState, train_epoch
     from recforge.train.model import build_dlrm
@@ -188,7 +188,7 @@ def sharding_overhead(data, epochs: int) -> dict:
     import torch.multiprocessing as mp
 
     from recforge.data.manifest import Manifest
-    from recforge.elastic.master import JobMaster
+    from recforge.elastic.master.service import JobMaster
 
     shard_rows = [s.rows for s in Manifest.load(data["root"] / "train").shards]
     masters = [JobMaster(shard_rows, rows_per_task=BATCH * 8, lease_timeout_s=600).start() for _ in range(epochs)]

@@ -8,7 +8,7 @@ shared) spreads over all of them; the fit uses the median over repetitions.
 Memory: a sampler thread reads the RSS of every worker process (matched by the job's spec path, rank
 from its environment) twice a second; the peak and the RSS-vs-time slope go into the point.
 
-    python bench/profile_trainer.py --out platform/recforge/elastic/profiles/dlrm_criteo_2core.json
+    python bench/profile_trainer.py --out platform/recforge/elastic/optimizer/profiles/dlrm_criteo_2core.json
 
 The output (JSON) is rewritten atomically after every point, so an interrupted run keeps what it measured;
 `--resume` skips the (config, repetition) pairs already in the file.
@@ -59,7 +59,7 @@ class RssSampler(threading.Thread):
             for p in psutil.process_iter(["pid", "cmdline"]):
                 try:
                     cmd = p.info["cmdline"] or []
-                    if "recforge.train.worker" not in cmd or not any(self.marker in c for c in cmd):
+                    if "recforge.worker.main" not in cmd or not any(self.marker in c for c in cmd):
                         continue
                     rank = self._ranks.get(p.pid)
                     if rank is None:
@@ -123,7 +123,7 @@ def prepare_data(root: Path, rows: int, seed: int):
 def run_point(root: Path, ds, manifest, plan_path: Path, tables, cfg: dict, rows: int, tag: str) -> dict:
     from recforge.config import ModelConfig, ResourceConfig, TrainConfig
     from recforge.elastic.job import run_training_job
-    from recforge.elastic.local import LocalBackend
+    from recforge.elastic.backends.local import LocalBackend
     from recforge.elastic.policy import StaticPolicy
 
     w, t, b = cfg["workers"], cfg["threads_per_worker"], cfg["batch_size"]
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fit_only:
         return report_fit(args.out)
 
-    from recforge.preprocess.plan import criteo_plan
+    from recforge.preprocess.planning.plan import criteo_plan
 
     configs = [{"workers": w, "threads_per_worker": t, "batch_size": b}
                for w, t, b in itertools.product(args.workers, args.threads, args.batch)]
@@ -260,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def report_fit(path: Path) -> int:
     """Term selection, fit and held-out MAPE on a profile; writes <profile>.fit.json and a plot in bench/results."""
-    from recforge.elastic.resource_model import fit_profile, load_profile
-    from recforge.elastic.memory_model import MemoryModel, MemorySample
+    from recforge.elastic.optimizer.throughput_model import fit_profile, load_profile
+    from recforge.elastic.optimizer.memory_model import MemoryModel, MemorySample
 
     samples, cond = load_profile(path)
     res = fit_profile(samples)

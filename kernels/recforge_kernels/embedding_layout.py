@@ -30,7 +30,7 @@ META_FIELDS = (
     "check",      # 1: ids are not proven in [0, rows): bounds-check them (IndexError, as eager)
     "nsteps",
     "ws_b",       # workspace elements of this column = ws_b * B + ws_n * len(values) + ws_c
-    "ws_n",       #   (coefficients of a SymEngine upper bound, see recforge.recom.plan)
+    "ws_n",       #   (coefficients of a SymEngine upper bound, see recforge.recom.backend.embedding_plan)
     "ws_c",
 )
 F = {name: i for i, name in enumerate(META_FIELDS)}

@@ -9,7 +9,7 @@ one tensor per feature. They are torch custom ops (torch.library), so torch.comp
 * fake (meta) implementations give shapes for tracing; the jagged ops have data-dependent sizes.
 `recforge::fused_chain` is the CPU single-pass form: every feature's whole chain per row tile, one call per batch
 (recforge.preprocess.executors.chain builds its program; C++ only).
-Semantics of every op: recforge.preprocess.registry.
+Semantics of every op: recforge.preprocess.semantics.registry.
 """
 from __future__ import annotations
 

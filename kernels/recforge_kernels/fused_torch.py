@@ -1,7 +1,7 @@
 """Torch fallback of the fused kernels: the same values as csrc/fused_cpu.cpp, one feature at a time.
 
 Used on CPU when the C++ extension cannot be built (no compiler, RECFORGE_NO_CPP=1) and by tests as a second
-implementation. Semantics: recforge.preprocess.registry.
+implementation. Semantics: recforge.preprocess.semantics.registry.
 """
 from __future__ import annotations
 

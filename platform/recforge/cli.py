@@ -183,7 +183,7 @@ def demo(rows_per_day: int = 200_000, workers: int = 2, epochs: int = 1):
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context, name: str = typer.Argument(..., help="e.g. generator, embeddings, compile")):
     """Run bench/bench_NAME.py (extra arguments pass through); results go to bench/results/."""
-    from recforge.tracking.paths import repo_root
+    from recforge.settings import repo_root
 
     script = repo_root() / "bench" / f"bench_{name}.py"
     if not script.exists():

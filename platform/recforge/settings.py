@@ -9,7 +9,17 @@ import secrets
 import shlex
 from pathlib import Path
 
-from recforge.tracking.paths import recforge_home, repo_root
+
+
+def repo_root() -> Path:
+    """The checkout this package is installed from (editable install): platform/recforge/settings.py -> ../../.."""
+    return Path(__file__).resolve().parents[2]
+
+
+def recforge_home() -> Path:
+    """Where the embedded defaults keep their state: $RECFORGE_HOME, else <repo>/.recforge."""
+    env = os.environ.get("RECFORGE_HOME")
+    return Path(env).resolve() if env else repo_root() / ".recforge"
 
 
 def jwt_secret(home: Path) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recforge.elastic.local import free_port
+from recforge.elastic.backends.local import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def _predict(sm):
 def _save_worker(rank, world, port, root):
     import torch.distributed as dist
 
-    from recforge.train.resume import save_disk
+    from recforge.train.recovery.resume import save_disk
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -97,7 +97,7 @@ def saved_by_two_ranks(tmp_path_factory):
 
 
 def test_two_rank_checkpoint_continues_exactly_on_one_rank(world1, saved_by_two_ranks):
-    from recforge.train.resume import load_latest
+    from recforge.train.recovery.resume import load_latest
 
     sm = _build(1)
     before = _predict(sm)
@@ -110,7 +110,7 @@ def test_two_rank_checkpoint_continues_exactly_on_one_rank(world1, saved_by_two_
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(world1, tmp_path, caplog):
-    from recforge.train.resume import load_latest, save_disk
+    from recforge.train.recovery.resume import load_latest, save_disk
 
     sm = _build(1)
     _step(sm, 0, 1, 0)
@@ -124,7 +124,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(world1, tmp_pa
     victim.write_bytes(bytes(raw))
 
     fresh = _build(1)
-    with caplog.at_level(logging.WARNING, logger="recforge.train.resume"):
+    with caplog.at_level(logging.WARNING, logger="recforge.train.recovery.resume"):
         restored = load_latest(fresh.model, fresh.optimizer, rank=0, disk_root=tmp_path, memory_root=None)
     assert restored.step == 1 and restored.skipped == [(str(tmp_path / "step-000000002"), "__0_0.distcp sha256 mismatch")]
     assert any("step-000000002 (disk, step 2) is unusable: __0_0.distcp sha256 mismatch; falling back to the previous one"
@@ -135,8 +135,8 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(world1, tmp_pa
 def test_flash_fast_path_snapshot_loads_like_a_dcp_checkpoint(world1, tmp_path):
     """The second snapshot is written without DCP (bytes copied into the first one's layout); it must
     load through the DCP reader into exactly the state it was taken from, optimizer included."""
-    from recforge.train.flash import FlashSnapshotter
-    from recforge.train.resume import load_latest, memory_problem
+    from recforge.train.recovery.flash import FlashSnapshotter
+    from recforge.train.recovery.resume import load_latest, memory_problem
 
     sm = _build(1)
     snap = FlashSnapshotter(tmp_path, rank=0)
@@ -161,7 +161,7 @@ def test_flash_fast_path_snapshot_loads_like_a_dcp_checkpoint(world1, tmp_path):
 
 
 def test_no_checkpoint_means_initial_weights(world1, tmp_path):
-    from recforge.train.resume import load_latest
+    from recforge.train.recovery.resume import load_latest
 
     sm = _build(1)
     before = _predict(sm)

@@ -31,7 +31,7 @@ def data(tmp_path_factory):
     from recforge.config import ModelConfig, TrainConfig, dataset_preset
     from recforge.data.generator import generate_days
     from recforge.data.ingest import ingest
-    from recforge.preprocess.plan import criteo_plan
+    from recforge.preprocess.planning.plan import criteo_plan
 
     root = tmp_path_factory.mktemp("fault_data")
     ds = dataset_preset("criteo_kaggle")
@@ -61,7 +61,7 @@ def run_job(data, run: Path, *, workers=2, max_restarts=0, faults=None, resume=F
     from recforge.config import ResourceConfig
     from recforge.data.manifest import Manifest
     from recforge.elastic.job import run_training_job
-    from recforge.elastic.local import LocalBackend
+    from recforge.elastic.backends.local import LocalBackend
     from recforge.elastic.policy import StaticPolicy
 
     res = ResourceConfig(workers=workers, threads_per_worker=1, max_restarts=max_restarts)
@@ -79,7 +79,7 @@ def worker_result(run: Path) -> dict:
 
 def auc(data, run: Path) -> float:
     from recforge.preprocess.executor import TorchExecutor
-    from recforge.train.checkpoint import load_unsharded
+    from recforge.train.recovery.checkpoint import load_unsharded
     from recforge.train.metrics import evaluate
 
     plan = data["plan"]
@@ -175,7 +175,7 @@ def test_sigkill_of_one_worker_mid_epoch_resumes_from_the_flash_checkpoint(data,
 
 
 def _master_cmd(data, state_file: Path, port: int, url_file: Path) -> list[str]:
-    return [sys.executable, "-m", "recforge.elastic.master_server", "--manifest", str(data["root"] / "train"),
+    return [sys.executable, "-m", "recforge.elastic.master.main", "--manifest", str(data["root"] / "train"),
             "--rows-per-task", str(BATCH * 4), "--state-file", str(state_file), "--port", str(port),
             "--lease-timeout-s", "600", "--url-file", str(url_file)]
 
@@ -192,8 +192,8 @@ def _wait_file(path: Path, timeout: float = 60.0) -> str:
 def test_killed_master_restarts_from_its_persisted_state(data, tmp_path):
     """The master runs as its own process; SIGKILL it mid-epoch, start it again on the same port:
     the workers retry their calls and the job finishes with every row exactly once."""
-    from recforge.elastic.client import MasterClient
-    from recforge.elastic.local import LocalBackend, free_port
+    from recforge.elastic.agent.client import MasterClient
+    from recforge.elastic.backends.local import LocalBackend, free_port
     from recforge.elastic.policy import ResourcePlan
     from recforge.train.spec import WorkerSpec
 
@@ -240,8 +240,8 @@ def test_killed_master_restarts_from_its_persisted_state(data, tmp_path):
 
 
 def test_repeated_kills_exhaust_the_budget_then_a_resume_skips_a_corrupt_checkpoint(data, tmp_path):
-    from recforge.elastic.backend import JobFailedError
-    from recforge.train.ckpt_layout import disk_problem, step_name
+    from recforge.elastic.backends.base import JobFailedError
+    from recforge.train.recovery.layout import disk_problem, step_name
 
     kill_rank1 = [{"kind": "kill", "at_step": 25, "rank": 1}]  # every generation dies at step 25
     with pytest.raises(JobFailedError) as err:
@@ -273,7 +273,7 @@ def test_repeated_kills_exhaust_the_budget_then_a_resume_skips_a_corrupt_checkpo
 
 
 def test_deterministic_error_is_not_relaunched(data, tmp_path):
-    from recforge.elastic.backend import JobFailedError
+    from recforge.elastic.backends.base import JobFailedError
 
     with pytest.raises(JobFailedError) as err:
         run_job(data, tmp_path, max_restarts=3, faults=[{"kind": "raise", "at_step": 5, "rank": 1,
@@ -286,7 +286,7 @@ def test_deterministic_error_is_not_relaunched(data, tmp_path):
 def test_out_of_memory_then_a_hang_are_both_recovered(data, reference, tmp_path):
     """Generation 0 runs out of memory at a per-rank batch of 256: relaunched with 2 x 128 (same global
     batch). Generation 1's rank 1 then hangs: no progress for 10 s, the group is killed and relaunched."""
-    from recforge.elastic.failover import FailoverPolicy
+    from recforge.elastic.master.failover import FailoverPolicy
 
     faults = [{"kind": "oom", "at_step": 5, "min_batch": BATCH // 2},
               {"kind": "hang", "at_step": 15, "rank": 1, "generation": 1}]
@@ -333,10 +333,10 @@ def test_rescale_from_two_workers_to_one_reloads_the_checkpoint_resharded(data, 
 
 def _mapping_file(data, path: Path) -> Path:
     """RAP's mapping for 2 workers: tables alternately table_wise on rank 0 / 1, schedules over a flat profile."""
-    from recforge.rap.corun_mapping import write_mapping
-    from recforge.rap.mapping import Placement
-    from recforge.rap.scheduler import mapped_rank_schedules
-    from recforge.rap.stages import STAGES
+    from recforge.rap.mapping.worker_mapping import write_mapping
+    from recforge.rap.mapping.milp import Placement
+    from recforge.rap.planning.scheduler import mapped_rank_schedules
+    from recforge.rap.profiling.stages import STAGES
 
     plan = data["plan"]
     placements = {t: Placement("table_wise", (i % 2,)) for i, (t, _) in enumerate(plan.tables())}

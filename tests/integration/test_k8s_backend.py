@@ -160,7 +160,7 @@ class FakeKubelet(threading.Thread):
 
 
 def settings(job_id):
-    from recforge.elastic.k8s_manifests import JobPodSettings
+    from recforge.elastic.backends.k8s_manifests import JobPodSettings
 
     return JobPodSettings(namespace=NS, job_id=job_id, image="registry.example.com/recforge:test")
 
@@ -180,8 +180,8 @@ def services_of(api, job_id):
 
 
 def test_backend_creates_watches_fails_relaunches_and_cleans_up(api, tmp_path):
-    from recforge.elastic.backend import JobFailedError
-    from recforge.elastic.kubernetes import KubernetesBackend
+    from recforge.elastic.backends.base import JobFailedError
+    from recforge.elastic.backends.kubernetes import KubernetesBackend
     from recforge.elastic.policy import ResourcePlan
 
     backend = KubernetesBackend(settings("t1"), memory="1Gi", owner=OWNER, api_client=api, poll_s=0.5)
@@ -237,9 +237,9 @@ def test_run_training_job_on_kubernetes_relaunches_a_failed_pod(api, tmp_path):
     from collections import Counter
 
     from recforge.config import ResourceConfig
-    from recforge.elastic.client import MasterClient
+    from recforge.elastic.agent.client import MasterClient
     from recforge.elastic.job import run_training_job
-    from recforge.elastic.kubernetes import KubernetesBackend
+    from recforge.elastic.backends.kubernetes import KubernetesBackend
     from recforge.elastic.policy import StaticPolicy
 
     shards = [40, 24, 16]

@@ -29,7 +29,7 @@ class Ranks:
         self.task_s, self.done, self.memory, self.lock = task_s, Counter(), {}, threading.Lock()
 
     def __call__(self, pod) -> int:
-        from recforge.elastic.client import MasterClient
+        from recforge.elastic.agent.client import MasterClient
 
         self.memory[pod.metadata.labels["recforge.io/launch"]] = pod.spec.containers[0].resources.requests["memory"]
         spec = json.loads(Path(pod.spec.containers[0].args[-1]).read_text())
@@ -55,10 +55,10 @@ def run_job(api, tmp_path, job_id: str, *, workers: int, memory: float, ranks: R
             pend=()):
     """Stage 1 (cold start), then the job under its DLRoverScaler on the emulated cluster."""
     from recforge.config import ResourceConfig
-    from recforge.elastic.dlrover_scaler import DLRoverScaler
+    from recforge.elastic.master.dlrover_scaler import DLRoverScaler
     from recforge.elastic.job import run_training_job
-    from recforge.elastic.kubernetes import KubernetesBackend, memory_quantity
-    from recforge.elastic.optimizer import DLRoverPolicy, JobLimits, OptimizerConfig
+    from recforge.elastic.backends.kubernetes import KubernetesBackend, memory_quantity
+    from recforge.elastic.optimizer.dlrover import DLRoverPolicy, JobLimits, OptimizerConfig
     from recforge.elastic.policy import JobInfo, StaticPolicy
 
     res = ResourceConfig(workers=workers, threads_per_worker=1, max_restarts=0, backend="kubernetes")
@@ -83,7 +83,7 @@ def run_job(api, tmp_path, job_id: str, *, workers: int, memory: float, ranks: R
 
 
 def test_pods_pending_too_long_are_relaunched_smaller(api, tmp_path):  # noqa: F811
-    from recforge.elastic.optimizer import OptimizerConfig
+    from recforge.elastic.optimizer.dlrover import OptimizerConfig
 
     ranks = Ranks()
     result, scaler, kubelet = run_job(api, tmp_path, "t3", workers=2, memory=0.5 * GiB, ranks=ranks, pend={0},
@@ -100,7 +100,7 @@ def test_pods_pending_too_long_are_relaunched_smaller(api, tmp_path):  # noqa: F
 def test_predicted_memory_exhaustion_relaunches_the_pods_with_more_memory(api, tmp_path):  # noqa: F811
     """The memory model predicts 0.5 + 2 x 2 GiB for the worker holding a 2 GiB table: the group stops at
     the master's command and the next launch's pods ask for the event's memory (Kubernetes' answer)."""
-    from recforge.elastic.kubernetes import memory_bytes
+    from recforge.elastic.backends.kubernetes import memory_bytes
 
     ranks = Ranks(task_s=0.3)  # slower than the profiler's polls: the decision comes mid-run
     result, scaler, _ = run_job(api, tmp_path, "t4", workers=1, memory=1 * GiB, ranks=ranks, table_bytes=[2 * GiB])

@@ -35,8 +35,8 @@ def _cluster():
 def test_worker_pod_lifecycle_on_a_real_cluster(tmp_path):
     from kubernetes import client
 
-    from recforge.elastic.k8s_manifests import JobPodSettings
-    from recforge.elastic.kubernetes import KubernetesBackend
+    from recforge.elastic.backends.k8s_manifests import JobPodSettings
+    from recforge.elastic.backends.kubernetes import KubernetesBackend
     from recforge.elastic.policy import ResourcePlan
 
     api = _cluster()

@@ -13,8 +13,8 @@ from recforge.pipelines.context import RunContext
 from recforge.pipelines.data_stages import generate, ingest
 from recforge.pipelines.plan_stage import plan_resources
 from recforge.pipelines.train_stage import train
-from recforge.rap.profiler import ProfileKey, StageProfile
-from recforge.rap.stages import STAGES
+from recforge.rap.profiling.profiler import ProfileKey, StageProfile
+from recforge.rap.profiling.stages import STAGES
 from recforge.tracking import TrackingStore
 
 pytestmark = pytest.mark.slow
@@ -95,7 +95,7 @@ def test_corun_with_rap_mapping_on_two_workers(recforge_home):
     """corun.mapping: the plan task places the tables (mapping MILP) and schedules each rank's two jobs; the workers
     shard by those placements, preprocess their tables' ids over the global batch and never run the input
     all-to-all; every row is trained once."""
-    from recforge.rap.corun_mapping import load_mapping
+    from recforge.rap.mapping.worker_mapping import load_mapping
 
     planned, out = _run(_ctx(recforge_home, "mapped", "corun", workers=2))  # corun.mapping's default: true
     corun = planned["corun"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recforge.elastic.local import free_port
+from recforge.elastic.backends.local import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -158,9 +158,9 @@ def job(tmp_path_factory):
     from recforge.data.ingest import ingest
     from recforge.data.manifest import Manifest
     from recforge.elastic.job import run_training_job
-    from recforge.elastic.local import LocalBackend
+    from recforge.elastic.backends.local import LocalBackend
     from recforge.elastic.policy import StaticPolicy
-    from recforge.preprocess.plan import criteo_plan
+    from recforge.preprocess.planning.plan import criteo_plan
     from recforge.tracking.store import TrackingStore
 
     root = tmp_path_factory.mktemp("train_job")
@@ -228,7 +228,7 @@ def test_world_size_2_checkpoint_loads_unsharded_with_the_trained_weights(job):
     from recforge.data.shards import read_rows
     from recforge.preprocess.batch import RawBatch
     from recforge.preprocess.executor import TorchExecutor
-    from recforge.train.checkpoint import load_unsharded, read_meta
+    from recforge.train.recovery.checkpoint import load_unsharded, read_meta
 
     root, plan = job["root"], job["plan"]
     assert read_meta(root / "ckpt")["world_size"] == 2
@@ -250,7 +250,7 @@ def test_world_size_2_checkpoint_loads_unsharded_with_the_trained_weights(job):
 
 def test_held_out_auc_approaches_the_bayes_ceiling(job):
     from recforge.preprocess.executor import TorchExecutor
-    from recforge.train.checkpoint import load_unsharded
+    from recforge.train.recovery.checkpoint import load_unsharded
     from recforge.train.metrics import evaluate
 
     root, plan = job["root"], job["plan"]

@@ -1,4 +1,4 @@
-"""Stand-in for `recforge.train.worker`, run by tests/unit/test_elastic_local.py under torchrun.
+"""Stand-in for `recforge.worker.main`, run by tests/unit/test_elastic_local.py under torchrun.
 
 `python -m elastic_stub_worker SPEC_JSON` (tests/unit on PYTHONPATH). It follows the worker's
 protocol with the job master without training anything: per step each rank leases a task (until the
@@ -31,7 +31,7 @@ def main(spec_path: str) -> None:
     import torch  # after the failure check: a failing launch stays quick
     import torch.distributed as dist
 
-    from recforge.elastic.client import MasterClient
+    from recforge.elastic.agent.client import MasterClient
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -7,14 +7,14 @@ import json
 import pytest
 
 from recforge.config import ResourceConfig
-from recforge.elastic.dlrover_scaler import DLRoverScaler, scaler_from_stage1
+from recforge.elastic.master.dlrover_scaler import DLRoverScaler, scaler_from_stage1
 from recforge.elastic.job import run_training_job
-from recforge.elastic.memory_model import GiB
-from recforge.elastic.optimizer import (
+from recforge.elastic.optimizer.memory_model import GiB
+from recforge.elastic.optimizer.dlrover import (
     DLRoverPolicy, JobLimits, OptimizerConfig, ResourceLimitError, pipeline_limits, pipeline_plan,
 )
 from recforge.elastic.policy import JobInfo, ResourcePlan, StaticPolicy
-from recforge.elastic.supervisor import Rescale
+from recforge.elastic.master.supervisor import Rescale
 from test_elastic_local import SHARDS, stub_backend, stub_spec
 
 LIMITS = JobLimits(cpu=2.0, memory=64 * GiB, max_cpu_per_worker=2.0)
@@ -139,9 +139,9 @@ def test_predicted_oom_relaunches_the_group_with_twice_the_gradient_accumulation
 def test_supervisor_turns_decisions_into_scale_requests_and_reports_refusals(tmp_path):
     """A real job master in process (no workers): what _maybe_scale asks for, what it refuses, and the
     plan the next launch gets."""
-    from recforge.elastic.failover import FailoverPolicy
-    from recforge.elastic.master import JobMaster
-    from recforge.elastic.supervisor import Supervisor
+    from recforge.elastic.master.failover import FailoverPolicy
+    from recforge.elastic.master.service import JobMaster
+    from recforge.elastic.master.supervisor import Supervisor
 
     notes, answers = [], []
 

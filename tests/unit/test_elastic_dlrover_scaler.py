@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 
 from recforge.config import ResourceConfig
-from recforge.elastic.dlrover_scaler import DLRoverScaler
-from recforge.elastic.optimizer import DLRoverPolicy, GiB, JobLimits, OptimizerConfig
+from recforge.elastic.master.dlrover_scaler import DLRoverScaler
+from recforge.elastic.optimizer.dlrover import DLRoverPolicy, GiB, JobLimits, OptimizerConfig
 from recforge.elastic.policy import JobInfo, ResourcePlan
-from recforge.elastic.resource_model import ThroughputModel
+from recforge.elastic.optimizer.throughput_model import ThroughputModel
 
 
 class Clock:

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from recforge.elastic.flash_checkpoint import FlashPersister
-from recforge.train.ckpt_layout import (
+from recforge.elastic.agent.flash_checkpoint import FlashPersister
+from recforge.train.recovery.layout import (
     CHECKSUMS_FILE, META_FILE, candidates, disk_problem, done_marker, memory_problem, prune, step_name, write_checksums,
 )
 from recforge.train.ledger import Ledger, audit

@@ -5,10 +5,10 @@ import copy
 
 import pytest
 
-from recforge.elastic.k8s_manifests import (
+from recforge.elastic.backends.k8s_manifests import (
     JobPodSettings, PodResources, master_pod, rendezvous_service, selector, validate, worker_pod,
 )
-from recforge.elastic.kubernetes import memory_bytes, memory_quantity
+from recforge.elastic.backends.kubernetes import memory_bytes, memory_quantity
 
 S = JobPodSettings(namespace="recforge", job_id="daily-1a2b", image="registry.example.com/recforge:0.1.0")
 OWNER = {"apiVersion": "v1", "kind": "Pod", "name": "daily-1a2b-master", "uid": "8d1f0c9e-1111-2222-3333-444455556666"}

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from recforge.config import ResourceConfig
-from recforge.elastic.backend import Backend, JobFailedError
+from recforge.elastic.backends.base import Backend, JobFailedError
 from recforge.elastic.job import run_training_job
-from recforge.elastic.local import LocalBackend
+from recforge.elastic.backends.local import LocalBackend
 from recforge.elastic.policy import JobInfo, OversubscriptionWarning, Policy, ResourcePlan, StaticPolicy
 
 HERE = Path(__file__).resolve().parent
@@ -52,7 +52,7 @@ def test_local_backend_command_line():
     for flag in ("--nnodes=1", "--nproc-per-node=3", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:1234",
                  "--max-restarts=2"):
         assert flag in cmd
-    assert cmd[-3:] == ["-m", "recforge.train.worker", "/s.json"]
+    assert cmd[-3:] == ["-m", "recforge.worker.main", "/s.json"]
 
 
 def test_run_training_job_with_two_real_processes(tmp_path):

@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from recforge.elastic.client import MasterClient, MasterUnavailableError
-from recforge.elastic.master import JobMaster, shard_rows_from_manifest
-from recforge.elastic.tasks import Action, TaskState
+from recforge.elastic.agent.client import MasterClient, MasterUnavailableError
+from recforge.elastic.master.service import JobMaster, shard_rows_from_manifest
+from recforge.elastic.master.tasks import Action, TaskState
 
 SHARDS = [23, 9, 16]
 RPT = 4
@@ -143,7 +143,7 @@ def test_restarted_master_resumes_from_its_state_file(tmp_path, monkeypatch):
     # a client call during the outage is retried until the new master answers on the same port
     m2 = JobMaster(SHARDS, port=port, **kw)
     assert m2.restored and m2.queue.holder(held.task_id) == "a"
-    import recforge.elastic.client as client_mod
+    import recforge.elastic.agent.client as client_mod
 
     retrying = threading.Event()
     real_sleep = time.sleep
@@ -194,7 +194,7 @@ def test_new_launch_and_new_generation_take_back_leases(tmp_path):
 
 
 def test_client_gives_up_after_bounded_retries():
-    from recforge.elastic.local import free_port
+    from recforge.elastic.backends.local import free_port
 
     c = MasterClient(f"http://127.0.0.1:{free_port()}", "a", max_attempts=3, backoff_s=0.01)
     with pytest.raises(MasterUnavailableError, match="3 times"):

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from recforge.elastic.client import MasterClient
-from recforge.elastic.master import JobMaster, ScaleRejectedError
-from recforge.elastic.tasks import TaskState
+from recforge.elastic.agent.client import MasterClient
+from recforge.elastic.master.service import JobMaster, ScaleRejectedError
+from recforge.elastic.master.tasks import TaskState
 
 
 class FakeClock:

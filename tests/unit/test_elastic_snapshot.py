@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from recforge.elastic.tasks import TaskQueue, TaskState
+from recforge.elastic.master.tasks import TaskQueue, TaskState
 
 SHARDS = [23, 9, 16]
 

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from recforge.elastic.tasks import Action, Outcome, TaskQueue, TaskState
+from recforge.elastic.master.tasks import Action, Outcome, TaskQueue, TaskState
 
 SHARDS = [37, 0, 16, 5, 64]
 RPT = 8  # rows per task

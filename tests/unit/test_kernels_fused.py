@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import recforge_kernels  # noqa: F401
-from recforge.preprocess import reference as ref
-from recforge.preprocess.ops import logit_bounds
+from recforge.preprocess.semantics import reference as ref
+from recforge.preprocess.semantics.ops import logit_bounds
 from recforge_kernels import cpu_ext
 from recforge_kernels import fused_torch
 from recforge_kernels.reference import INT64_MAX, INT64_MIN, sigrid_hash_ref

@@ -6,13 +6,13 @@ import json
 import pytest
 
 from recforge.config import ResourceConfig
-from recforge.elastic.history import InMemoryHistory, JobRecord
-from recforge.elastic.memory_model import GiB
-from recforge.elastic.optimizer import (
+from recforge.elastic.optimizer.history import InMemoryHistory, JobRecord
+from recforge.elastic.optimizer.memory_model import GiB
+from recforge.elastic.optimizer.dlrover import (
     JobDescription, JobLimits, JobPlan, history_points, local_default_model, pipeline_plan, recommend_after_run,
     warm_start,
 )
-from recforge.elastic.resource_model import Allocation, ThroughputModel, load_profile
+from recforge.elastic.optimizer.throughput_model import Allocation, ThroughputModel, load_profile
 
 TABLES = [("C1", 1000), ("C2", 50_000)]
 TRUE = ThroughputModel(("const", "b_per_cpu", "w"), (0.01, 2e-4, 0.003))

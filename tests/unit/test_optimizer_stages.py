@@ -7,15 +7,15 @@ import json
 import pytest
 
 from recforge.config import ResourceConfig
-from recforge.elastic.events import Event, read_jsonl, write_jsonl
-from recforge.elastic.history import InMemoryHistory, JobRecord
-from recforge.elastic.memory_model import GiB
-from recforge.elastic.optimizer import (
+from recforge.elastic.optimizer.events import Event, read_jsonl, write_jsonl
+from recforge.elastic.optimizer.history import InMemoryHistory, JobRecord
+from recforge.elastic.optimizer.memory_model import GiB
+from recforge.elastic.optimizer.dlrover import (
     DLRoverPolicy, InstabilityStage, JobDescription, JobLimits, JobPlan, Observation, OptimizerConfig,
     ResourceLimitError, RuntimeStage, clamp, search, warm_start,
 )
 from recforge.elastic.policy import JobInfo, Policy, ResourcePlan
-from recforge.elastic.resource_model import PS_TERMS, ThroughputModel
+from recforge.elastic.optimizer.throughput_model import PS_TERMS, ThroughputModel
 
 MODEL = ThroughputModel(PS_TERMS, (0.02, 4e-4, 5e-5, 0.002, 0.001, 0.0005))
 LIMITS = JobLimits(cpu=200, memory=800 * GiB)
@@ -97,7 +97,7 @@ def test_limits_below_one_worker_are_a_clear_error(limits, match):
 # ---- stage 2 -----------------------------------------------------------------------------
 def _exhaustive_best(plan, model, limits, cfg, job):
     """Reference: among all single unit changes, the best ratio (what greedy's first step must pick)."""
-    from recforge.elastic.optimizer import _candidates, _cost
+    from recforge.elastic.optimizer.dlrover import _candidates, _cost
 
     base = model.predict(plan.allocation())
     best = None

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recforge.preprocess.compiler import check_layers, compile_plan, groups_of, layers_greedy, objective
-from recforge.preprocess.graph import build_graph
-from recforge.preprocess.milp import layers_milp
-from recforge.preprocess.plan import Plan
+from recforge.preprocess.planning.compiler import check_layers, compile_plan, groups_of, layers_greedy, objective
+from recforge.preprocess.planning.graph import build_graph
+from recforge.preprocess.planning.milp import layers_milp
+from recforge.preprocess.planning.plan import Plan
 from recforge.preprocess.presets import load_plan
 
 FLOAT_OPS = [("logit", {}), ("boxcox", {"lambda": 0.5}), ("clamp", {"lo": -1.0, "hi": 9.0})]

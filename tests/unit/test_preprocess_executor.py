@@ -11,8 +11,8 @@ from recforge.config import DatasetConfig, DenseFeature, SparseFeature, criteo_k
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.executor import Executor, TorchExecutor
 from recforge.preprocess.module import PreprocessModule
-from recforge.preprocess.plan import Plan, PlanError, criteo_plan
-from recforge.preprocess.reference import apply_plan_ref
+from recforge.preprocess.planning.plan import Plan, PlanError, criteo_plan
+from recforge.preprocess.semantics.reference import apply_plan_ref
 
 SMALL = DatasetConfig(
     name="small",

@@ -17,9 +17,9 @@ from recforge.preprocess.columns import BatchError
 from recforge.preprocess.executor import Executor, make_executor
 from recforge.preprocess.executors.dali import dali_available
 from recforge.preprocess.jagged import JaggedColumn, JaggedColumns
-from recforge.preprocess.plan import Plan, PlanError
+from recforge.preprocess.planning.plan import Plan, PlanError
 from recforge.preprocess.presets import PRESET_PLANS, load_plan, preset_dataset
-from recforge.preprocess.reference import apply_plan_rows_ref
+from recforge.preprocess.semantics.reference import apply_plan_rows_ref
 from recforge.preprocess.synth import random_raw_batch, reference_inputs
 from recforge_kernels.reference import sigrid_hash_ref
 

@@ -1,4 +1,4 @@
-"""Every torch op in recforge.preprocess.ops vs the numpy reference, on edge-case inputs (hypothesis)."""
+"""Every torch op in recforge.preprocess.semantics.ops vs the numpy reference, on edge-case inputs (hypothesis)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from recforge.preprocess import ops, reference as ref
+from recforge.preprocess.semantics import ops
+from recforge.preprocess.semantics import reference as ref
 from recforge_kernels.reference import sigrid_hash_ref
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

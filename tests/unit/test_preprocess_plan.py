@@ -11,7 +11,7 @@ from recforge.config import (
     SparseFeature,
     criteo_kaggle_dataset,
 )
-from recforge.preprocess.plan import FeaturePlan, OpSpec, Plan, PlanError, criteo_plan
+from recforge.preprocess.planning.plan import FeaturePlan, OpSpec, Plan, PlanError, criteo_plan
 
 SMALL = DatasetConfig(
     name="small",

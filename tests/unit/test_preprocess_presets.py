@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from recforge.config import CRITEO_KAGGLE_CARDINALITIES, criteo_kaggle_dataset
-from recforge.preprocess.plan import Plan, PlanError
+from recforge.preprocess.planning.plan import Plan, PlanError
 from recforge.preprocess.presets import PRESET_PLANS, load_plan, preset_dataset, preset_path
-from recforge.preprocess.presets.datasets import CRITEO_TERABYTE_CARDINALITIES
+from recforge.config import CRITEO_TERABYTE_CARDINALITIES
 
 
 def chain(plan: Plan, name: str) -> list[str]:
@@ -133,7 +133,7 @@ def test_recom_proves_one_id_per_row_for_plans_without_firstx(name):
     PreprocessModule's scalar columns that still holds; over an executor's possible list columns it does not."""
     from recforge.preprocess.module import PreprocessModule
     from recforge.recom.errors import NotOneHotError
-    from recforge.recom.onehot import prove_one_hot
+    from recforge.recom.columns.onehot import prove_one_hot
 
     ds = preset_dataset(name)
     plan = load_plan(name, ds)

@@ -1,4 +1,4 @@
-"""The mapping file between plan_resources and the workers (recforge.rap.corun_mapping)."""
+"""The mapping file between plan_resources and the workers (recforge.rap.mapping.worker_mapping)."""
 from __future__ import annotations
 
 import json
@@ -6,11 +6,11 @@ import json
 import pytest
 
 from recforge.config import DatasetConfig, DenseFeature, SparseFeature
-from recforge.preprocess.plan import criteo_plan
-from recforge.rap.corun_mapping import MappingFileError, load_mapping, mapped_jobs, write_mapping
-from recforge.rap.mapping import Placement
-from recforge.rap.scheduler import mapped_rank_schedules
-from recforge.rap.stages import STAGES
+from recforge.preprocess.planning.plan import criteo_plan
+from recforge.rap.mapping.worker_mapping import MappingFileError, load_mapping, mapped_jobs, write_mapping
+from recforge.rap.mapping.milp import Placement
+from recforge.rap.planning.scheduler import mapped_rank_schedules
+from recforge.rap.profiling.stages import STAGES
 
 DS = DatasetConfig(name="tiny", dense=[DenseFeature(name="I1")],
                    sparse=[SparseFeature(name="C1", cardinality=40), SparseFeature(name="C2", cardinality=9),
@@ -60,7 +60,7 @@ def test_another_world_size_runs_unmapped_with_the_same_table_kinds(tmp_path, ca
 
 
 def test_placements_for_another_world_keep_each_table_kind():
-    from recforge.rap.corun_mapping import placements_for_world
+    from recforge.rap.mapping.worker_mapping import placements_for_world
 
     planned = {"a": Placement("table_wise", (3,)), "b": Placement("column_wise", (0, 1, 2, 3)),
                "c": Placement("data_parallel", (0, 1, 2, 3))}
@@ -99,8 +99,8 @@ def test_bad_files_name_what_is_wrong(tmp_path):
 def test_jobs_must_match_what_the_sharded_model_takes(tmp_path):
     from types import SimpleNamespace
 
-    from recforge.rap.corun_session import check_jobs_match_sharding
-    from recforge.rap.runtime import CorunConfigError, CorunRuntime
+    from recforge.rap.runtime.session import check_jobs_match_sharding
+    from recforge.rap.runtime.corun_runtime import CorunConfigError, CorunRuntime
 
     path = tmp_path / "m.json"
     _write(path)

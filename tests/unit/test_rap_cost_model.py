@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from recforge.preprocess.compiler import FusedGroup, compile_plan
+from recforge.preprocess.planning.compiler import FusedGroup, compile_plan
 from recforge.preprocess.presets import load_plan
-from recforge.rap.cost_model import CostModel, Measurement, design_row, fit, fit_op, node_widths, predict_group
-from recforge.rap.cost_probe import OPS, measure, probe_case, time_group
+from recforge.rap.profiling.cost_model import CostModel, Measurement, design_row, fit, fit_op, node_widths, predict_group
+from recforge.rap.profiling.cost_probe import OPS, measure, probe_case, time_group
 
 TRUE = {"logit": [0.01, 0.002, 1e-6, 0.0, 0.0], "sigrid_hash": [0.02, 0.001, 0.0, 3e-6, 2e-6]}
 
@@ -82,9 +82,9 @@ def test_real_measurements_of_the_fused_executor():
 
 
 def test_gantt_png(tmp_path):
-    from recforge.rap.gantt import save_png
-    from recforge.rap.schedule import whole_kernel_schedule
-    from recforge.rap.stages import STAGES
+    from recforge.rap.planning.gantt import save_png
+    from recforge.rap.planning.schedule import whole_kernel_schedule
+    from recforge.rap.profiling.stages import STAGES
 
     compiled = compile_plan(load_plan("plan0"), method="greedy")
     sched = whole_kernel_schedule(compiled, "allreduce", {g.name: 0.1 for g in compiled.groups})

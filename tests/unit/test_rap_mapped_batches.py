@@ -1,4 +1,4 @@
-"""MappedTaskBatches (recforge.rap.mapped_batches) through the real train_epoch on 2 gloo ranks.
+"""MappedTaskBatches (recforge.rap.mapping.mapped_batches) through the real train_epoch on 2 gloo ranks.
 
 The same tasks are trained twice from the same weights: with RAP's mapping (each rank preprocesses the global
 batch of the table it holds, no input all-to-all) and without it (each rank preprocesses every feature of its
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from recforge.config import DatasetConfig, DenseFeature, SparseFeature
-from recforge.elastic.local import free_port
-from recforge.elastic.tasks import Task
+from recforge.elastic.backends.local import free_port
+from recforge.elastic.master.tasks import Task
 
 DS = DatasetConfig(
     name="tiny",
@@ -73,14 +73,14 @@ def manifest_dir(tmp_path_factory):
 
 
 def _plan():
-    from recforge.preprocess.plan import criteo_plan
+    from recforge.preprocess.planning.plan import criteo_plan
 
     return criteo_plan(DS, table_cap=32)
 
 
 def _sharded(plan):
     from recforge.config import ModelConfig, TrainConfig
-    from recforge.rap.mapping import Placement
+    from recforge.rap.mapping.milp import Placement
     from recforge.train.model import build_dlrm
     from recforge.train.sharding import shard_model
 
@@ -96,10 +96,10 @@ def _worker(rank, port, manifest_dir, out_dir):
     import torch.distributed as dist
 
     from recforge.preprocess.executor import make_executor
-    from recforge.rap.mapped_batches import MappedTaskBatches
-    from recforge.rap.mapping import from_torchrec, split_rank_plan
-    from recforge.rap.corun_session import CorunSession
-    from recforge.rap.mapped_input import MappedInput
+    from recforge.rap.mapping.mapped_batches import MappedTaskBatches
+    from recforge.rap.mapping.milp import from_torchrec, split_rank_plan
+    from recforge.rap.runtime.session import CorunSession
+    from recforge.rap.mapping.mapped_input import MappedInput
     from recforge.train.batches import Batch, empty
     from recforge.train.loop import LoopState, train_epoch
 
@@ -159,9 +159,9 @@ def _jobs(plan, rank):
     """Each rank's two co-run jobs: kernels priced by their rows so that they spread over (and split across) the
     stages, the global job at twice the local rows."""
     from recforge.preprocess.executors.fused import FusedExecutor
-    from recforge.rap.mapping import Placement
-    from recforge.rap.scheduler import mapped_rank_schedules
-    from recforge.rap.stages import STAGES
+    from recforge.rap.mapping.milp import Placement
+    from recforge.rap.planning.scheduler import mapped_rank_schedules
+    from recforge.rap.profiling.stages import STAGES
 
     placements = {t: Placement(k, r) for t, (k, r) in PLACEMENTS.items()}
     stage_ms = {s: 1.0 for s in STAGES}
@@ -172,7 +172,7 @@ def _jobs(plan, rank):
 
 
 def _ebc(model):
-    from recforge.rap.mapped_input import _sharded_ebc
+    from recforge.rap.mapping.mapped_input import _sharded_ebc
 
     return _sharded_ebc(model)
 
@@ -233,7 +233,7 @@ def _lease_failure_worker(rank, port, manifest_dir, out_dir):
     import torch.distributed as dist
 
     from recforge.preprocess.executor import make_executor
-    from recforge.rap.mapped_batches import MappedTaskBatches
+    from recforge.rap.mapping.mapped_batches import MappedTaskBatches
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)

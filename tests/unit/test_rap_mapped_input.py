@@ -1,4 +1,4 @@
-"""RAP's mapping on the training side (recforge.rap.mapped_input), 2 gloo ranks on CPU.
+"""RAP's mapping on the training side (recforge.rap.mapping.mapped_input), 2 gloo ranks on CPU.
 
 Two DMPs from the same weights train the same steps: one through torchrec's input all-to-all (every rank its local
 batch), one with MappedFeatures (each rank the global batch of the tables it holds, its local batch of the
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recforge.elastic.local import free_port
+from recforge.elastic.backends.local import free_port
 
 TABLES = [("C1", 50), ("C2", 70), ("C3", 30), ("C4", 20)]
 NUM_DENSE, DIM, B, WORLD = 3, 8, 5, 2
@@ -55,7 +55,7 @@ def _dmp(placements, rank):
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     from recforge.config import ModelConfig
-    from recforge.rap.mapping import Placement, to_torchrec
+    from recforge.rap.mapping.milp import Placement, to_torchrec
     from recforge.train.model import EBC_PATH, build_dlrm
 
     torch.manual_seed(0)
@@ -83,7 +83,7 @@ def _worker(rank, port, out_dir, case):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from recforge.rap.mapped_input import MappedFeatures, MappedInput, _sharded_ebc
+    from recforge.rap.mapping.mapped_input import MappedFeatures, MappedInput, _sharded_ebc
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -151,7 +151,7 @@ def test_mapped_input_trains_like_the_input_all_to_all(tmp_path, case):
 
 
 def test_mapped_features_are_checked(tmp_path):
-    from recforge.rap.mapped_input import MappedInputError, _select
+    from recforge.rap.mapping.mapped_input import MappedInputError, _select
 
     kjt = _kjt(torch.zeros(4, len(TABLES), dtype=torch.long), ["C1", "C2"])
     with pytest.raises(MappedInputError, match="C3"):

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from recforge.preprocess.compiler import compile_plan
+from recforge.preprocess.planning.compiler import compile_plan
 from recforge.preprocess.presets import load_plan
-from recforge.rap.mapping import (
+from recforge.rap.mapping.milp import (
     MappingCosts,
     MappingError,
     Placement,

@@ -1,4 +1,4 @@
-"""A job's RAP mapping (recforge.rap.mapping_plan): placements JSON, per-feature preprocessing costs, the MILP over a
+"""A job's RAP mapping (recforge.rap.mapping.job_mapping): placements JSON, per-feature preprocessing costs, the MILP over a
 synthetic stage profile against TorchRec's planner, and clear errors."""
 from __future__ import annotations
 
@@ -7,18 +7,18 @@ import json
 import pytest
 
 from recforge.config import DatasetConfig, DenseFeature, ModelConfig, SparseFeature, TrainConfig
-from recforge.preprocess.compiler import compile_plan
-from recforge.preprocess.plan import Plan
-from recforge.rap.mapping import MappingCosts, MappingError, Placement, TableLoad, candidate_placements, evaluate
-from recforge.rap.mapping_plan import (
+from recforge.preprocess.planning.compiler import compile_plan
+from recforge.preprocess.planning.plan import Plan
+from recforge.rap.mapping.milp import MappingCosts, MappingError, Placement, TableLoad, candidate_placements, evaluate
+from recforge.rap.mapping.job_mapping import (
     mapping_costs,
     placements_from_json,
     placements_to_json,
     plan_mapping,
     prep_costs,
 )
-from recforge.rap.profiler import ProfileKey, ProfileMismatch, StageProfile
-from recforge.rap.stages import STAGES
+from recforge.rap.profiling.profiler import ProfileKey, ProfileMismatch, StageProfile
+from recforge.rap.profiling.stages import STAGES
 from recforge.train.sharding import check_placements
 
 DS = DatasetConfig(

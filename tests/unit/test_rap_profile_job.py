@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from recforge.config import ModelConfig, PipelineConfig
-from recforge.preprocess.compiler import FusedGroup, compile_plan
-from recforge.rap.corun_pipeline import measured_kernel_cost, plan_schedule, simulated_iteration_ms
-from recforge.rap.profile_job import (
+from recforge.preprocess.planning.compiler import FusedGroup, compile_plan
+from recforge.pipelines.rap_corun import measured_kernel_cost, plan_schedule, simulated_iteration_ms
+from recforge.rap.profiling.profile_job import (
     CPU_THRESHOLD,
     MAX_UNITS,
     PROXY_BYTES,
@@ -20,9 +20,9 @@ from recforge.rap.profile_job import (
     proxy_units,
     single_rank_group,
 )
-from recforge.rap.profiler import ProfileKey, StageProfile
-from recforge.rap.simulator import METHODS
-from recforge.rap.stages import STAGES
+from recforge.rap.profiling.profiler import ProfileKey, StageProfile
+from recforge.rap.planning.simulator import METHODS
+from recforge.rap.profiling.stages import STAGES
 from test_rap_runtime import DS, PLAN, manifest_dir  # noqa: F401 (a fixture)
 
 MODEL = ModelConfig(embedding_dim=8, dense_arch=[16, 8], over_arch=[16, 1])
@@ -144,13 +144,13 @@ def test_profile_job_measures_the_real_model_stores_logs_and_reuses(manifest_dir
 
 
 def test_a_failed_profiling_rank_ends_the_others_at_once():
-    """recforge.rap.profile_ranks: the first rank to fail is reported without waiting for the ones it left blocked,
+    """recforge.rap.profiling.profile_ranks: the first rank to fail is reported without waiting for the ones it left blocked,
     and those are ended."""
     import subprocess
     import sys
     import time
 
-    from recforge.rap.profile_ranks import _wait_all
+    from recforge.rap.profiling.profile_ranks import _wait_all
 
     blocked = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from recforge.config import ModelConfig
-from recforge.rap.profiler import (
+from recforge.rap.profiling.profiler import (
     BackgroundRunner,
     ProfileKey,
     ProfileMismatch,
@@ -21,7 +21,7 @@ from recforge.rap.profiler import (
     find_capacity,
     log_profile,
 )
-from recforge.rap.stages import STAGES, StageTracker
+from recforge.rap.profiling.stages import STAGES, StageTracker
 from test_rap_stages import TABLES, _batch, _model
 
 
@@ -136,10 +136,10 @@ def test_profile_logged_to_mlflow(profile, recforge_home):
     local = store.client.download_artifacts(run, "rap/stage_profile.json", str(recforge_home))
     assert StageProfile.from_json(open(local).read()) == profile
     # the schedule and its Gantt chart go to the same run
-    from recforge.preprocess.compiler import compile_plan
+    from recforge.preprocess.planning.compiler import compile_plan
     from recforge.preprocess.presets import load_plan
-    from recforge.rap.gantt import log_schedule
-    from recforge.rap.schedule import CorunSchedule, whole_kernel_schedule
+    from recforge.rap.planning.gantt import log_schedule
+    from recforge.rap.planning.schedule import CorunSchedule, whole_kernel_schedule
 
     sched = whole_kernel_schedule(compile_plan(load_plan("plan0"), method="greedy"), "allreduce")
     log_schedule(sched, profile.stage_ms, profile.capacity_ms, store, run)

@@ -13,19 +13,19 @@ import torch.distributed as dist
 from recforge.config import DatasetConfig, DenseFeature, ModelConfig, SparseFeature, TrainConfig
 from recforge.data.generator import generate_days
 from recforge.data.ingest import ingest
-from recforge.elastic.tasks import Task
+from recforge.elastic.master.tasks import Task
 from recforge.preprocess.columns import BatchError
-from recforge.preprocess.compiler import compile_plan
+from recforge.preprocess.planning.compiler import compile_plan
 from recforge.preprocess.executor import make_executor
-from recforge.preprocess.plan import criteo_plan
+from recforge.preprocess.planning.plan import criteo_plan
 from recforge.preprocess.synth import random_raw_batch
-from recforge.rap.corun_batches import PreprocessedBatches
-from recforge.rap.corun_offline import OfflineError, OfflineTaskBatches, preprocess_manifest
-from recforge.rap.corun_session import CorunSession
-from recforge.rap.mapping import Placement, split_rank_plan
-from recforge.rap.runtime import CorunConfigError, CorunRuntime
-from recforge.rap.schedule import Assignment, CorunSchedule, ScheduleError, split_units, whole_kernel_schedule
-from recforge.rap.stages import STAGES, StageTracker
+from recforge.rap.runtime.corun_batches import PreprocessedBatches
+from recforge.rap.runtime.offline import OfflineError, OfflineTaskBatches, preprocess_manifest
+from recforge.rap.runtime.session import CorunSession
+from recforge.rap.mapping.milp import Placement, split_rank_plan
+from recforge.rap.runtime.corun_runtime import CorunConfigError, CorunRuntime
+from recforge.rap.planning.schedule import Assignment, CorunSchedule, ScheduleError, split_units, whole_kernel_schedule
+from recforge.rap.profiling.stages import STAGES, StageTracker
 from recforge.train.batches import TaskBatches
 from recforge.train.loop import LoopState, train_epoch
 from recforge.train.model import build_dlrm
@@ -237,7 +237,7 @@ def test_corun_threads_above_the_trainers_are_refused(compiled):
 def test_offline_refuses_a_varying_number_of_ids_per_row():
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from recforge.rap.corun_offline import _as_matrix
+    from recforge.rap.runtime.offline import _as_matrix
 
     fixed = KeyedJaggedTensor(keys=["a", "b"], values=torch.arange(9), lengths=torch.tensor([1, 1, 1, 2, 2, 2]),
                               stride=3)
@@ -250,8 +250,8 @@ def test_offline_refuses_a_varying_number_of_ids_per_row():
 
 
 def test_plan_schedule_uses_a_stored_profile_else_one_stage(tmp_path):
-    from recforge.rap.corun_pipeline import plan_schedule
-    from recforge.rap.profiler import ProfileKey, StageProfile
+    from recforge.pipelines.rap_corun import plan_schedule
+    from recforge.rap.profiling.profiler import ProfileKey, StageProfile
 
     model = ModelConfig(embedding_dim=8, dense_arch=[16, 8], over_arch=[16, 1])
     plain = plan_schedule(PLAN, DS, model, world_size=2, batch_size=64, stage="emb_bwd", profile_dir=tmp_path)
@@ -392,7 +392,7 @@ def test_jobs_without_a_step_run_as_leftovers(mapped):
 
 def test_mapped_rank_schedules_run_on_the_runtime():
     """The scheduler's two jobs, kernels split at tight capacities, straight into the runtime."""
-    from recforge.rap.scheduler import mapped_rank_schedules
+    from recforge.rap.planning.scheduler import mapped_rank_schedules
 
     def cost_of(compiled, rows):
         return lambda g: 0.01 + 1e-3 * len(g.nodes) * rows

@@ -7,11 +7,11 @@ import torch
 
 from recforge.config import DatasetConfig, DenseFeature, SparseFeature
 from recforge.preprocess.columns import finish
-from recforge.preprocess.compiler import compile_plan
+from recforge.preprocess.planning.compiler import compile_plan
 from recforge.preprocess.executors.fused import FusedExecutor
-from recforge.preprocess.plan import Plan
+from recforge.preprocess.planning.plan import Plan
 from recforge.preprocess.synth import random_raw_batch
-from recforge.rap.schedule import (
+from recforge.rap.planning.schedule import (
     Assignment,
     CorunSchedule,
     ScheduleError,
@@ -21,7 +21,7 @@ from recforge.rap.schedule import (
     split_units,
     whole_kernel_schedule,
 )
-from recforge.rap.stages import STAGES
+from recforge.rap.profiling.stages import STAGES
 
 DS = DatasetConfig(
     name="small",

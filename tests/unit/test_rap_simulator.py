@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 
 from recforge.preprocess.presets import load_plan
-from recforge.rap.cost_model import CostModel
-from recforge.rap.mapping import Placement
-from recforge.rap.simulator import METHODS, RankStages, SimSetup, cost_model_kernel_cost, simulate
-from recforge.rap.stages import STAGES
+from recforge.rap.profiling.cost_model import CostModel
+from recforge.rap.mapping.milp import Placement
+from recforge.rap.planning.simulator import METHODS, RankStages, SimSetup, cost_model_kernel_cost, simulate
+from recforge.rap.profiling.stages import STAGES
 
 STAGE_MS = dict(zip(STAGES, [0.93, 1.92, 2.86, 0.99, 1.37]))
 CAPACITY_UNITS = dict(zip(STAGES, [24, 28, 52, 30, 64]))
@@ -75,7 +75,7 @@ def test_without_capacity_preprocessing_is_not_hidden():
 
 
 def test_rank_schedule_is_the_simulators_rap_schedule(sim):
-    from recforge.rap.scheduler import rank_schedule
+    from recforge.rap.planning.scheduler import rank_schedule
 
     setup = _setup(unit_ms=1.2 * STAGE_MS["allreduce"] / CAPACITY_UNITS["allreduce"])
     compiled, sched = rank_schedule(setup.plan, setup.placements, 0, 4, 4096, STAGE_MS, setup.ranks[0].capacity_ms,

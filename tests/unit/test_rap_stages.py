@@ -9,7 +9,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recforge.config import ModelConfig, TrainConfig
-from recforge.rap.stages import STAGES, StageOrderError, StageTracker
+from recforge.rap.profiling.stages import STAGES, StageOrderError, StageTracker
 from recforge.train.model import build_dlrm
 
 TABLES = [("C1", 50), ("C2", 30), ("C3", 20)]

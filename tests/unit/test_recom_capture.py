@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recforge.recom.capture import CaptureError, capture
+from recforge.recom.frontend.capture import CaptureError, capture
 from recforge.recom.family import make_features, select_rows
 from test_recom_columns_fixtures import eager, small_model
 

@@ -6,8 +6,8 @@ import warnings
 
 import torch
 
-from recforge.recom.capture import capture
-from recforge.recom.column_compiler import compile_columns
+from recforge.recom.frontend.capture import capture
+from recforge.recom.backend.column_compiler import compile_columns
 from recforge.recom.family import FamilySpec, build_model, make_features
 
 SMALL = FamilySpec(bucketized=3, int_hash=2, string_hash=2, multi_hot=6, large_multi_hot=1, raw_id=2,

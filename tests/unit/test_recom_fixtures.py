@@ -9,7 +9,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recforge.config import DatasetConfig, DenseFeature, ModelConfig, SparseFeature
 from recforge.preprocess.module import PreprocessModule
-from recforge.preprocess.plan import FeaturePlan, OpSpec, Plan, criteo_plan
+from recforge.preprocess.planning.plan import FeaturePlan, OpSpec, Plan, criteo_plan
 from recforge.recom.inference import InferenceModule
 from recforge.train.model import build_dlrm
 

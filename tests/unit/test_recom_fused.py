@@ -11,7 +11,7 @@ import recforge.recom as recom
 from recforge.recom import check_against_eager
 from recforge.recom.family import EmbeddingLayer, make_features, select_rows
 from recforge.recom.family.columns import IntHashColumn, MultiHotColumn, RawIdColumn
-from recforge.recom.graph_stats import dispatched_ops
+from recforge.recom.frontend.graph_stats import dispatched_ops
 from test_recom_columns_fixtures import eager, small_model
 
 SYNC_OPS = ("nonzero", "_unique2", "_local_scalar_dense", "item", "repeat_interleave", "index.Tensor")
@@ -218,7 +218,7 @@ def test_out_of_bounds_policies():
 
 
 def test_falls_back_to_the_captured_graph_when_the_kernel_cannot_build(monkeypatch):
-    from recforge.recom.layer import FusedEmbeddingLayer
+    from recforge.recom.backend.layer import FusedEmbeddingLayer
 
     def no_toolchain(self, flat_inputs):
         raise RuntimeError("Error building extension 'recforge_embedding': g++ not found")

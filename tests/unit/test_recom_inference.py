@@ -8,7 +8,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recforge.preprocess.module import PreprocessModule
 from recforge.recom import GatherInferenceModule, InferenceModule, NotOneHotError, UnsupportedModelError
-from recforge.recom.onehot import prove_one_hot
+from recforge.recom.columns.onehot import prove_one_hot
 from test_recom_fixtures import build_inference, make_dlrm, plan_with_firstx, raw_batch, small_dataset
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recforge.recom.intervals import INT64_MAX, INT64_MIN, IntervalSet
+from recforge.recom.columns.intervals import INT64_MAX, INT64_MIN, IntervalSet
 
 U = range(-8, 9)  # a small universe for brute-force checks
 

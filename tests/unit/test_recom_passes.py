@@ -5,12 +5,12 @@ import pytest
 import torch
 from torch import nn
 
-from recforge.recom.capture import capture
-from recforge.recom.column_compiler import compile_columns
+from recforge.recom.frontend.capture import capture
+from recforge.recom.backend.column_compiler import compile_columns
 from recforge.recom.family import make_features
-from recforge.recom.intervals import IntervalSet
-from recforge.recom.passes import PassLog, drop_implied_filters, ids_range, merge_filters, optimize
-from recforge.recom.program import Bucketize, Clamp, ColumnProgram, Mod, Remove, Replace, SigridHash, Src
+from recforge.recom.columns.intervals import IntervalSet
+from recforge.recom.columns.passes import PassLog, drop_implied_filters, ids_range, merge_filters, optimize
+from recforge.recom.columns.program import Bucketize, Clamp, ColumnProgram, Mod, Remove, Replace, SigridHash, Src
 from test_recom_columns_fixtures import compiled_columns, small_model
 from test_recom_fixtures import build_inference, raw_batch, small_dataset
 

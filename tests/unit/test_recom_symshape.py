@@ -5,9 +5,9 @@ import symengine as se
 import torch
 from torch.fx.interpreter import Interpreter
 
-from recforge.recom.capture import capture
+from recforge.recom.frontend.capture import capture
 from recforge.recom.family import make_features
-from recforge.recom.symshape import SymbolicShapes
+from recforge.recom.frontend.symshape import SymbolicShapes
 from test_recom_columns_fixtures import small_model
 from test_recom_fixtures import build_inference, raw_batch, small_dataset
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from recforge.elastic.resource_model import (
+from recforge.elastic.optimizer.throughput_model import (
     PS_TERMS, Allocation, ModelFitError, OnlineThroughputModel, Sample, ThroughputModel, cross_validate,
     design_matrix, fit, mape, select_terms,
 )

@@ -1,11 +1,11 @@
-"""The model fitted on the committed measurements of our trainer (elastic/profiles/): deterministic, no re-measuring."""
+"""The model fitted on the committed measurements of our trainer (elastic/optimizer/profiles/): deterministic, no re-measuring."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from recforge.elastic.resource_model import (
+from recforge.elastic.optimizer.throughput_model import (
     DEFAULT_PROFILE, LOCAL_CANDIDATES, ModelFitError, cross_validate, fit, fit_profile, load_profile,
 )
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from recforge.elastic.memory_model import GiB
-from recforge.elastic.optimizer import JobDescription, JobLimits, JobPlan, warm_start
-from recforge.elastic.resource_model import Allocation, ThroughputModel
+from recforge.elastic.optimizer.memory_model import GiB
+from recforge.elastic.optimizer.dlrover import JobDescription, JobLimits, JobPlan, warm_start
+from recforge.elastic.optimizer.throughput_model import Allocation, ThroughputModel
 
 MODEL = ThroughputModel(("const", "b_per_cpu", "w"), (0.01, 2e-4, 0.003), fit_mape=0.05, n_points=12)
 PLAN = JobPlan(3, 2.0, 4 * GiB, 512)

@@ -6,10 +6,10 @@ import json
 import pandas as pd
 import pytest
 
-from recforge.elastic.history import History
-from recforge.elastic.memory_model import GiB, MemoryModel
-from recforge.elastic.optimizer import JobDescription, JobLimits, JobPlan, warm_start
-from recforge.elastic.resource_model import Allocation, Sample, ThroughputModel
+from recforge.elastic.optimizer.history import History
+from recforge.elastic.optimizer.memory_model import GiB, MemoryModel
+from recforge.elastic.optimizer.dlrover import JobDescription, JobLimits, JobPlan, warm_start
+from recforge.elastic.optimizer.throughput_model import Allocation, Sample, ThroughputModel
 
 MODEL = ThroughputModel(("const", "b_per_cpu", "w"), (0.01, 2e-4, 0.003), fit_mape=0.05, n_points=12)
 MEM = MemoryModel(0.5 * GiB, 2.0, 10.0)
@@ -96,7 +96,7 @@ def test_corrupt_or_missing_model_artifact_keeps_the_plan_and_reports_it(store, 
 
 
 def test_events_are_logged_as_jsonl_with_counts(store):
-    from recforge.elastic.events import Event
+    from recforge.elastic.optimizer.events import Event
     from recforge.tracking.resource_models import log_events
 
     run_id = store.stage_run("test_exp", "k3", "plan")

@@ -9,10 +9,10 @@ from recforge.config import DatasetConfig, DenseFeature, SparseFeature
 from recforge.data.generator import generate_days
 from recforge.data.ingest import ingest
 from recforge.data.shards import read_rows
-from recforge.elastic.tasks import Task
+from recforge.elastic.master.tasks import Task
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.executor import TorchExecutor
-from recforge.preprocess.plan import criteo_plan
+from recforge.preprocess.planning.plan import criteo_plan
 from recforge.train.batches import TaskBatches, empty
 
 DS = DatasetConfig(

@@ -10,7 +10,7 @@ from recforge.config import DatasetConfig, DenseFeature, ModelConfig, SparseFeat
 from recforge.data.generator import generate_days
 from recforge.data.ingest import ingest
 from recforge.preprocess.executor import TorchExecutor
-from recforge.preprocess.plan import criteo_plan
+from recforge.preprocess.planning.plan import criteo_plan
 from recforge.train.metrics import auc, base_entropy, evaluate, logloss, normalized_entropy, predict
 from recforge.train.model import build_dlrm
 

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from recforge.config import PipelineConfig, dataset_preset
 from recforge.pipelines.context import EXPERIMENT, RunContext, StageWriter
-from recforge.preprocess.plan import criteo_plan
+from recforge.preprocess.planning.plan import criteo_plan
 from recforge.tracking import TrackingStore
 from recforge.ui.app import create_app
 from recforge.ui.links import mlflow_base
@@ -38,7 +38,7 @@ def _stage_runs(store: TrackingStore, ctx: RunContext, stages, status="FINISHED"
 
 
 def _complete_run(home, store: TrackingStore) -> dict:
-    from recforge.elastic.events import Event
+    from recforge.elastic.optimizer.events import Event
     from recforge.tracking.resource_models import log_events
 
     ctx = RunContext.create(COMPLETE, PipelineConfig(rows_per_day=3000, seed=7, table_cap=5000), home=home)

@@ -1,6 +1,6 @@
 // Horizontally fused preprocessing kernels for CPU: one call runs one op over every feature of a fused group.
 // Registered as torch ops in namespace `recforge_cpu`; recforge_kernels.fused wraps them as `recforge::fused_*`.
-// Semantics are documented in recforge.preprocess.registry; every kernel is checked against the numpy oracle.
+// Semantics are documented in recforge.preprocess.semantics.registry; every kernel is checked against the numpy oracle.
 // Work is split into (feature, row chunk) pieces over ATen's intra-op pool (at::parallel_for), so
 // torch.set_num_threads governs it. Loops are written to auto-vectorize (-O3 -march=native); the float64
 // log / pow of logit and boxcox use Sleef's vector functions (exported by libtorch_cpu) when AVX-512 or AVX2 is on.

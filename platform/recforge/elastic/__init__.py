@@ -1,2 +1,2 @@
 """DLRover-RM style elastic training: job master with dynamic data sharding, resource policies,
-launch backends. Import the submodules directly (recforge.elastic.master, .client, ...)."""
+launch backends. Import the submodules directly (recforge.elastic.master.service, .client, ...)."""

@@ -4,7 +4,7 @@ It knows nothing about the worker's internals: it fills `master_url` and `thread
 the worker spec (a plain dict, validated by the worker as recforge.train.spec.WorkerSpec), writes it
 as JSON, launches the workers through the backend, waits, and returns the master's statistics.
 
-Failures and elasticity (recforge.elastic.supervisor): the supervisor relaunches a failed group per
+Failures and elasticity (recforge.elastic.master.supervisor): the supervisor relaunches a failed group per
 the FailoverPolicy (budget = resources.max_restarts, shared with torchrun's own restarts), kills a
 hung group, relaunches at a new size on a scale request, and, when the spec asks for flash
 checkpoints (spec["recovery"]["flash"]), runs the agent that persists them from shared memory.
@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from recforge.config import ResourceConfig
-from recforge.elastic.backend import Backend, JobFailedError
-from recforge.elastic.failover import FailoverPolicy
-from recforge.elastic.master import JobMaster
+from recforge.elastic.backends.base import Backend, JobFailedError
+from recforge.elastic.master.failover import FailoverPolicy
+from recforge.elastic.master.service import JobMaster
 from recforge.elastic.policy import JobInfo, Policy, ResourcePlan, StaticPolicy
-from recforge.elastic.supervisor import Scaler, Supervisor
+from recforge.elastic.master.supervisor import Scaler, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -57,19 +57,19 @@ def default_policy(resources: ResourceConfig) -> Policy:
     if resources.policy == "static":
         return StaticPolicy(resources)
     if resources.policy == "dlrover":  # stage 1 without history (cold start); the pipeline passes MLflow history
-        from recforge.elastic.optimizer import DLRoverPolicy, local_default_model
+        from recforge.elastic.optimizer.dlrover import DLRoverPolicy, local_default_model
         return DLRoverPolicy(default_model=local_default_model())
     raise NotImplementedError(f"resources.policy={resources.policy!r} is not implemented yet; use 'static'")
 
 
 def default_backend(resources: ResourceConfig, state_dir: Path) -> Backend:
     if resources.backend == "local":
-        from recforge.elastic.local import LocalBackend
+        from recforge.elastic.backends.local import LocalBackend
 
         # torchrun restarts nothing itself: every relaunch goes through the failover policy (one budget)
         return LocalBackend(max_restarts=0, log_dir=state_dir)
     if resources.backend == "kubernetes":
-        from recforge.elastic.kubernetes import backend_from_environment
+        from recforge.elastic.backends.kubernetes import backend_from_environment
 
         return backend_from_environment(state_dir)
     raise NotImplementedError(f"resources.backend={resources.backend!r} is not implemented; use 'local' or 'kubernetes'")
@@ -103,10 +103,10 @@ def run_training_job(
     existing state file there makes the job continue where it stopped (its in-flight tasks go back
     to TODO), else it starts over. With `check`, a failed or timed-out launch raises JobFailedError
     (with the log's tail), and so does a clean exit that left data unconsumed. Without `resume` the
-    step checkpoints of an earlier run (spec["recovery"], recforge.train.recovery_spec) go too.
+    step checkpoints of an earlier run (spec["recovery"], recforge.train.recovery.spec) go too.
     `failover`: default FailoverPolicy(max_relaunches=resources.max_restarts). `scaler`: called with
     the master's state while the group runs; a different worker count or a `supervisor.Rescale` triggers a
-    relaunch (default with a DLRoverPolicy: its stages 2 and 3, recforge.elastic.dlrover_scaler).
+    relaunch (default with a DLRoverPolicy: its stages 2 and 3, recforge.elastic.master.dlrover_scaler).
     `max_workers`: the largest scale request the master accepts (default: this machine's cores for
     the local backend, none otherwise).
     """
@@ -146,7 +146,7 @@ def run_training_job(
         oom_action="more_memory" if hasattr(backend, "grow_memory") else "accumulate",
     )
     if scaler is None and getattr(policy, "warm", None) is not None and hasattr(policy, "runtime"):
-        from recforge.elastic.dlrover_scaler import DLRoverScaler
+        from recforge.elastic.master.dlrover_scaler import DLRoverScaler
 
         scaler = DLRoverScaler(policy, memory_action="more_memory" if hasattr(backend, "grow_memory") else "accumulate")
     poll_s = min(poll_s, float(getattr(scaler, "min_interval_s", poll_s)))  # a profiler polls at its own pace
@@ -160,7 +160,7 @@ def run_training_job(
     spec_path = state_dir / SPEC_FILE
     persister = None
     if recovery["flash"]:
-        from recforge.elastic.flash_checkpoint import FlashPersister
+        from recforge.elastic.agent.flash_checkpoint import FlashPersister
 
         persister = FlashPersister(recovery["memory_root"], recovery["disk_root"], keep=recovery["keep"]).start()
 
@@ -239,7 +239,7 @@ def run_training_job(
 
 def _recovery(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Where the spec's step checkpoints live (empty when it has no checkpoint_dir, e.g. a stub worker)."""
-    from recforge.train.recovery_spec import RecoverySpec
+    from recforge.train.recovery.spec import RecoverySpec
 
     rec = RecoverySpec.model_validate(spec.get("recovery") or {})
     if not spec.get("checkpoint_dir"):

@@ -45,7 +45,7 @@ class TrainingJob(BaseModel):
 
 def run(job: TrainingJob) -> dict[str, Any]:
     from recforge.elastic.job import run_training_job
-    from recforge.elastic.master import shard_rows_from_manifest
+    from recforge.elastic.master.service import shard_rows_from_manifest
 
     rows = job.shard_rows if job.shard_rows is not None else shard_rows_from_manifest(job.manifest_dir)
     result = run_training_job(job.spec, rows, resources=job.resources, state_dir=job.state_dir,

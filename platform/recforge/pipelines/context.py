@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from recforge.config import PipelineConfig
-from recforge.tracking.paths import recforge_home
+from recforge.settings import recforge_home
 
 EXPERIMENT = "recforge_daily"
 

@@ -29,8 +29,8 @@ def plan_resources(ctx: RunContext) -> dict[str, Any]:
                                   "threads_per_worker": resources.threads_per_worker})
         store.log_artifact(run_id, plan_path)
         corun = None
-        if cfg.preprocessing == "corun":  # RAP: the co-run schedule every worker runs (recforge.rap.corun_pipeline)
-            from recforge.rap.corun_pipeline import plan_and_log_schedule
+        if cfg.preprocessing == "corun":  # RAP: the co-run schedule every worker runs (recforge.pipelines.rap_corun)
+            from recforge.pipelines.rap_corun import plan_and_log_schedule
             corun = plan_and_log_schedule(store, run_id, cfg, plan, resources.workers, w,
                                           manifest_dir=ctx.outputs("ingest")["train"]["manifest_dir"],
                                           trainer_threads=resources.threads_per_worker)  # profiles the job if new

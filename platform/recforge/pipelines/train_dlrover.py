@@ -2,7 +2,7 @@
 
 The plan task left stage 1's plan and state (`plan_resources` outputs["dlrover"]); here they become a
 `DLRoverScaler` that the elastic runtime consults while the workers train (see
-recforge.elastic.dlrover_scaler for what it executes and how), and the run keeps a per-sample
+recforge.elastic.master.dlrover_scaler for what it executes and how), and the run keeps a per-sample
 ledger so the rows trained across relaunches can be audited. Afterwards every event (inputs,
 prediction, reason, executed or not) and the run's resource model go to the train task's MLflow run.
 A stage 1 state that cannot be read is a documented fallback: the job trains on the plan without
@@ -22,12 +22,12 @@ def start(store, run_id: str, plan_out: dict[str, Any], cfg, spec: dict[str, Any
     state = plan_out.get("dlrover")
     if cfg.resources.policy != "dlrover" or not state:
         return None
-    from recforge.elastic.dlrover_scaler import scaler_from_stage1
+    from recforge.elastic.master.dlrover_scaler import scaler_from_stage1
 
     try:
         scaler = scaler_from_stage1(state, cfg.resources.dlrover, memory_action="accumulate")  # local backend
     except (ValueError, TypeError) as e:
-        from recforge.elastic.events import Event
+        from recforge.elastic.optimizer.events import Event
         from recforge.tracking.resource_models import log_events
 
         log.warning("DLRover stages 2/3 off for this run: %s", e)
@@ -56,7 +56,7 @@ def logging_failures(store, run_id: str, scaler, run_job):
         return run_job
 
     def run(*args, **kwargs):
-        from recforge.elastic.backend import JobFailedError
+        from recforge.elastic.backends.base import JobFailedError
 
         try:
             return run_job(*args, **kwargs)

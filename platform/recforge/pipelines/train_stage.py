@@ -15,8 +15,8 @@ def train(ctx: RunContext) -> dict[str, Any]:
 
     def body(w, store, run_id):
         from recforge.elastic.job import run_training_job
-        from recforge.elastic.local import LocalBackend
-        from recforge.elastic.master import shard_rows_from_manifest
+        from recforge.elastic.backends.local import LocalBackend
+        from recforge.elastic.master.service import shard_rows_from_manifest
         from recforge.elastic.policy import StaticPolicy
 
         cfg = ctx.config
@@ -40,8 +40,8 @@ def train(ctx: RunContext) -> dict[str, Any]:
             "corun_threads": cfg.corun.threads,
             "preprocessed_dir": str(w.tmp / "preprocessed") if cfg.preprocessing == "offline" else None,
         }
-        if cfg.preprocessing == "offline":  # preprocess the whole training data first (recforge.rap.corun_offline)
-            from recforge.rap.corun_pipeline import preprocess_offline
+        if cfg.preprocessing == "offline":  # preprocess the whole training data first (recforge.rap.runtime.offline)
+            from recforge.pipelines.rap_corun import preprocess_offline
             preprocess_offline(store, run_id, manifest_dir, spec["plan_path"], cfg.dataset(), spec["preprocess_executor"],
                                w.tmp / "preprocessed")
         store.log_params(run_id, {"train": cfg.train.model_dump(mode="json"),
@@ -67,14 +67,14 @@ def train(ctx: RunContext) -> dict[str, Any]:
         )
         dlrover = train_dlrover.finish(store, run_id, scaler, result.attempts)
         if cfg.preprocessing == "offline":  # the preprocessed copy of the training data served this job only
-            from recforge.rap.corun_pipeline import drop_offline_data
+            from recforge.pipelines.rap_corun import drop_offline_data
             drop_offline_data(store, run_id, w.tmp / "preprocessed")
         worker = json.loads((w.tmp / "worker" / "result.json").read_text())
         store.log_metrics(run_id, {"samples_per_s": worker["samples_per_s"], "steps": worker["steps"],
                                    "final_train_loss": worker["final_loss"], "wall_s": worker["wall_s"]})
         store.log_dict(run_id, worker, "result.json")
         if worker.get("rap"):  # RAP co-run: schedule + Gantt, predicted vs measured iteration time
-            from recforge.rap.corun_pipeline import log_corun
+            from recforge.pipelines.rap_corun import log_corun
             log_corun(store, run_id, worker["rap"])
         return {
             "checkpoint_dir": str(w.final / "checkpoint"),
@@ -92,8 +92,8 @@ def train(ctx: RunContext) -> dict[str, Any]:
 
 def load_trained(ctx: RunContext):
     """The trained model, unsharded, with the plan it was trained on."""
-    from recforge.preprocess.plan import Plan
-    from recforge.train.checkpoint import load_unsharded
+    from recforge.preprocess.planning.plan import Plan
+    from recforge.train.recovery.checkpoint import load_unsharded
 
     plan_out = ctx.outputs("plan_resources")
     plan = Plan.load(Path(plan_out["plan_path"]))

@@ -13,7 +13,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
-from recforge.preprocess.plan import Plan
+from recforge.preprocess.planning.plan import Plan
 
 
 class BatchError(ValueError):

@@ -16,7 +16,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.module import PreprocessModule
-from recforge.preprocess.plan import Plan
+from recforge.preprocess.planning.plan import Plan
 
 
 @runtime_checkable

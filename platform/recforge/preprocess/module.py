@@ -14,9 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from recforge.config import DatasetConfig
-from recforge.preprocess.plan import FeaturePlan, Plan, PlanError
-from recforge.preprocess.registry import OPS, Value
-from recforge.preprocess.steps import PER_COLUMN, build_step
+from recforge.preprocess.planning.plan import FeaturePlan, Plan, PlanError
+from recforge.preprocess.semantics.registry import OPS, Value
+from recforge.preprocess.semantics.steps import PER_COLUMN, build_step
 
 
 def _chain_key(f: FeaturePlan) -> tuple:

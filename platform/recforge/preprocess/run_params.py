@@ -5,8 +5,8 @@ import logging
 from typing import Any
 
 from recforge.config import DatasetConfig
-from recforge.preprocess.compiler import compile_plan
-from recforge.preprocess.plan import Plan
+from recforge.preprocess.planning.compiler import compile_plan
+from recforge.preprocess.planning.plan import Plan
 
 log = logging.getLogger(__name__)
 MAX_PARAM = 5000  # MLflow caps a param value at 6000 characters

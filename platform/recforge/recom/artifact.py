@@ -78,7 +78,7 @@ def is_recom_archive(path: Path) -> bool:
 
 def load_compiled(path: str | os.PathLike, backend: str | None = None):
     from recforge.recom.compile import DEFAULT_BACKEND, CompiledModel
-    from recforge.recom.layer import FusedEmbeddingLayer
+    from recforge.recom.backend.layer import FusedEmbeddingLayer
 
     path = Path(path)
     if not path.exists():

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from recforge.recom.errors import CompileMismatchError
-from recforge.recom.graph_stats import count_lookups, dispatched_ops, graph_ops
+from recforge.recom.frontend.graph_stats import count_lookups, dispatched_ops, graph_ops
 
 Backend = Literal["auto", "export", "inductor", "aoti"]
 BACKENDS: tuple[str, ...] = ("auto", "export", "inductor", "aoti")
@@ -42,7 +42,7 @@ DEFAULT_BACKEND: Backend = "auto"
 
 def batch_size_of(inputs: Sequence[Any]) -> int:
     """The batch size of an input tuple: the dim-0 size shared by most tensor leaves (jagged values differ)."""
-    from recforge.recom.capture import infer_batch_size
+    from recforge.recom.frontend.capture import infer_batch_size
 
     leaves = pytree.tree_leaves(tuple(inputs))
     if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves):
@@ -131,7 +131,7 @@ class CompiledModel(nn.Module):
         running = exported_program
         self.metadata["onednn"] = bool(onednn)
         if onednn and backend != "inductor":  # Inductor's lowering wants its own (prepacked) mkldnn linears
-            from recforge.recom.dense import with_onednn
+            from recforge.recom.backend.dense import with_onednn
 
             running, self.metadata["onednn_linears"] = with_onednn(exported_program)
         else:
@@ -254,7 +254,7 @@ class CompiledModel(nn.Module):
 
 def _returns_embedding(ep: torch.export.ExportedProgram) -> bool:
     """The residual program only hands the fused output back (its one output is that input)."""
-    from recforge.recom.dense import EMB_INPUT
+    from recforge.recom.backend.dense import EMB_INPUT
 
     out = next(n for n in ep.graph.nodes if n.op == "output")
     values = pytree.tree_leaves(out.args)
@@ -297,10 +297,10 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], dynamic_batch: boo
     too (CompileMismatchError above ``atol``). Raises
     NotOneHotError when an InferenceModule's one-id-per-row cannot be proven.
     """
-    from recforge.recom.capture import capture
-    from recforge.recom.column_compiler import compile_columns
-    from recforge.recom.dense import build_residual, export_residual
-    from recforge.recom.layer import FusedEmbeddingLayer
+    from recforge.recom.frontend.capture import capture
+    from recforge.recom.backend.column_compiler import compile_columns
+    from recforge.recom.backend.dense import build_residual, export_residual
+    from recforge.recom.backend.layer import FusedEmbeddingLayer
 
     if backend not in BACKENDS:
         raise ValueError(f"backend: unknown {backend!r}; choose one of {list(BACKENDS)}")

@@ -9,7 +9,7 @@ Two forms of the same computation:
   ``F.embedding(ids[:, j], table.weight)`` over the *same* weight tensors, stacked to [B, F, D], then
   the DLRM's own ``dense_arch`` / ``inter_arch`` / ``over_arch`` submodules run unchanged. No KJT, so
   the graph exports with a dynamic batch dimension. Lowering is refused unless the preprocessing plan
-  proves exactly one id per row for every feature (see ``recforge.recom.onehot``).
+  proves exactly one id per row for every feature (see ``recforge.recom.columns.onehot``).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recforge.recom.errors import NotOneHotError, UnsupportedModelError
-from recforge.recom.onehot import prove_one_hot
+from recforge.recom.columns.onehot import prove_one_hot
 
 _DLRM_PARTS = ("sparse_arch", "dense_arch", "inter_arch", "over_arch")
 
@@ -55,7 +55,7 @@ def unwrap_dlrm(model: nn.Module) -> nn.Module:
     if not isinstance(ebc, EmbeddingBagCollection):
         raise UnsupportedModelError(
             f"sparse_arch.embedding_bag_collection is {type(ebc).__name__}, not an unsharded "
-            "torchrec EmbeddingBagCollection; load the model unsharded first (recforge.train.checkpoint.load_unsharded)"
+            "torchrec EmbeddingBagCollection; load the model unsharded first (recforge.train.recovery.checkpoint.load_unsharded)"
         )
     return model
 

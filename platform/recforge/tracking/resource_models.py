@@ -7,7 +7,7 @@
   - `resource_model/record.json`: the job record (final plan, throughput and memory models, fit errors);
   - metrics fit_mape / cv_mape / heldout_mape and coef.<term>, params terms, tags the history search uses;
   - `resource_model/predicted_vs_measured.png` when measured points are given.
-`MlflowHistory` implements recforge.elastic.history.History over those runs. A run whose record is
+`MlflowHistory` implements recforge.elastic.optimizer.history.History over those runs. A run whose record is
 missing or corrupt still gives its final plan (tag) and lands in `problems` with the reason.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ import mlflow
 import mlflow.pyfunc
 from mlflow.exceptions import MlflowException
 
-from recforge.elastic.history import JobRecord
-from recforge.elastic.memory_model import MemoryModel
-from recforge.elastic.resource_model import Allocation, ModelFitError, Sample, ThroughputModel
+from recforge.elastic.optimizer.history import JobRecord
+from recforge.elastic.optimizer.memory_model import MemoryModel
+from recforge.elastic.optimizer.throughput_model import Allocation, ModelFitError, Sample, ThroughputModel
 from recforge.tracking.store import TrackingStore
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ def register_resource_model(store: TrackingStore, run_id: str, info, name: str,
 
 def log_events(store: TrackingStore, run_id: str, events: Sequence[Any], prefix: str = "dlrover") -> None:
     """Every optimizer decision as JSON lines (one artifact) plus a count per stage and action."""
-    from recforge.elastic.events import to_jsonl
+    from recforge.elastic.optimizer.events import to_jsonl
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "events.jsonl"
@@ -255,8 +255,8 @@ def plan_with_dlrover(store: TrackingStore, run_id: str, cfg, tables, total_rows
     """Stage 1 for the plan task: MLflow history of runs with the same dataset preset and model family,
     within cfg.resources.dlrover's limits. Logs the events and the stage's state; returns
     (ResourcePlan, state for the train task)."""
-    from recforge.elastic.memory_model import GiB
-    from recforge.elastic.optimizer import optimizer_config, pipeline_limits, pipeline_plan
+    from recforge.elastic.optimizer.memory_model import GiB
+    from recforge.elastic.optimizer.dlrover import optimizer_config, pipeline_limits, pipeline_plan
     from recforge.elastic.policy import ResourcePlan
 
     dl = cfg.resources.dlrover

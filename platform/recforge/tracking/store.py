@@ -14,7 +14,7 @@ from typing import Any
 from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 
-from recforge.tracking.paths import recforge_home
+from recforge.settings import recforge_home
 
 RUN_KEY_TAG = "recforge.run_key"
 STAGE_TAG = "recforge.stage"

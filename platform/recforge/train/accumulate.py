@@ -1,6 +1,6 @@
 """The step loop with gradient accumulation: k micro-batches per optimizer step on every rank.
 
-Used after an out-of-memory failure (recforge.elastic.failover): each rank trains batch_size / k
+Used after an out-of-memory failure (recforge.elastic.master.failover): each rank trains batch_size / k
 rows at a time, k times per step, so the global batch, and with it the optimization, stays the same.
 All k micro-batches of a step are fetched first; one all_reduce gives the step's global real-row
 count, every micro-batch's loss is normalized by it (recforge.train.loss), gradients add up over the

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class TaskClient(Protocol):
-    """The part of recforge.elastic.client.MasterClient the trainer uses."""
+    """The part of recforge.elastic.agent.client.MasterClient the trainer uses."""
 
     def lease(self): ...
     def done(self, task_id: str, samples: int) -> bool: ...

@@ -8,7 +8,7 @@ generation that saved it), or none.
 The final model's lineage: the last generation's rows, plus the rows of the generation that saved
 the checkpoint it resumed from (step c) trained before c (`since < c`), and so on back to a start
 without checkpoint. `audit` counts both the lineage and all rows ever trained; the guarantee of
-recforge.train.resume is: the lineage holds every row of every epoch exactly once, and a row was
+recforge.train.recovery.resume is: the lineage holds every row of every epoch exactly once, and a row was
 trained more than once only if a failed group trained it after the checkpoint that was resumed.
 """
 from __future__ import annotations

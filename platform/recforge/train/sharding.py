@@ -8,7 +8,7 @@ optimizer steps them. torchrec 1.8 allows the DENSE kernel only with data_parall
 
 Dense params (bottom/over arch, DDP-replicated) always use Adam(dense_lr).
 
-shard_model(..., placements=...): the plan comes from given per-table placements (recforge.rap.mapping: the RAP
+shard_model(..., placements=...): the plan comes from given per-table placements (recforge.rap.mapping.milp: the RAP
 mapping MILP's choice) instead of the planner; table_wise / column_wise get the FUSED kernel, data_parallel the
 dense one, under the same constraints the planner gets from TrainConfig (sharding_constraints).
 """
@@ -35,7 +35,7 @@ from recforge.config import TrainConfig
 from recforge.train.model import EBC_PATH
 
 if TYPE_CHECKING:
-    from recforge.rap.mapping import Placement
+    from recforge.rap.mapping.milp import Placement
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def shard_model(
     The sharded model starts from `model`'s weights on every rank (torchrec copies them only for
     CUDA modules, so they are loaded back explicitly here).
 
-    placements: {table: recforge.rap.mapping.Placement} for every table of the model; the plan is built from
+    placements: {table: recforge.rap.mapping.milp.Placement} for every table of the model; the plan is built from
     them (mapping.to_torchrec), not by the planner. Every rank must pass the same placements (as every rank
     calls shard_model collectively): they are compared across `pg` and a mismatch raises on all ranks.
     Checked first (ValueError naming the table): exactly the model's tables, ranks < world_size, column_wise
@@ -158,7 +158,7 @@ def shard_model(
 
 def make_planner(train: TrainConfig, table_names: list[str], world_size: int,
                  device_type: str) -> EmbeddingShardingPlanner:
-    """TorchRec's planner as shard_model runs it (also what recforge.rap.mapping_plan compares the mapping with)."""
+    """TorchRec's planner as shard_model runs it (also what recforge.rap.mapping.job_mapping compares the mapping with)."""
     topology = TopologyFactory.create_topology(
         trainer_config=TrainerConfig(world_size=world_size),
         kernel_config=KernelConfig(compute_device=device_type),
@@ -221,7 +221,7 @@ def placement_plan(ebc: torch.nn.Module, placements: Mapping[str, Placement], tr
                    device_type: str, pg: dist.ProcessGroup | None = None) -> ShardingPlan:
     """The ShardingPlan (under EBC_PATH) that puts each table where `placements` says, checked (check_placements;
     with `pg`, also equal on every rank)."""
-    from recforge.rap.mapping import to_torchrec
+    from recforge.rap.mapping.milp import to_torchrec
 
     if pg is not None:  # first: ranks that disagree all fail here, none waits in a later collective
         _check_same_on_every_rank(placements, pg)

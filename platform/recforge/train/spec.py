@@ -10,11 +10,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from recforge.config import DatasetConfig, ModelConfig, TrainConfig
-from recforge.train.recovery_spec import RecoverySpec
+from recforge.train.recovery.spec import RecoverySpec
 
 
 class WorkerSpec(BaseModel):
-    """`python -m recforge.train.worker SPEC_JSON` reads one of these (the same file for every rank)."""
+    """`python -m recforge.worker.main SPEC_JSON` reads one of these (the same file for every rank)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -36,7 +36,7 @@ class WorkerSpec(BaseModel):
         "inline", description="corun: RAP co-running; offline: train from preprocessed_dir (recforge.rap)")
     preprocessed_dir: Path | None = Field(None, description="offline: rows preprocessed before training")
     corun_schedule_path: Path | None = Field(None, description="co-run schedule JSON (default: every kernel in mlp_bwd)")
-    corun_mapping_path: Path | None = Field(None, description="RAP mapping JSON (recforge.rap.corun_mapping): table "
+    corun_mapping_path: Path | None = Field(None, description="RAP mapping JSON (recforge.rap.mapping.worker_mapping): table "
                                             "placements + per-rank co-run jobs; ids preprocessed on their table's owner")
     corun_threads: int = Field(1, ge=1, description="intra-op threads of the co-run thread")
 

@@ -1,6 +1,6 @@
 """What a worker group does at each logging-window boundary (every rank, in lockstep).
 
-1. injected faults (tests only, recforge.train.faults);
+1. injected faults (tests only, recforge.train.recovery.faults);
 2. rank 0 asks the job master whether the group must stop (a rescale) and tells the other ranks;
 3. a checkpoint when one is due, or before stopping;
 4. stopping raises `GroupStop`: the worker exits cleanly and the supervisor relaunches the job.
@@ -12,8 +12,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from recforge.train import faults as fault_injection
-from recforge.train.checkpointer import Checkpointer
+from recforge.train.recovery import faults as fault_injection
+from recforge.train.recovery.checkpointer import Checkpointer
 from recforge.train.loop import EpochStats, LoopState
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from recforge.pipelines.context import EXPERIMENT
 from recforge.pipelines.runner import STAGES
-from recforge.tracking.paths import recforge_home
+from recforge.settings import recforge_home
 
 RUN_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")  # what recforge.pipelines.context.run_key_from produces
 MAX_JSON_BYTES = 8 << 20

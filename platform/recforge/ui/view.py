@@ -231,7 +231,7 @@ def _schedule_section(run: RunRecord) -> dict | None:
     return None
 
 
-DECISION_STAGES = ("warm_start", "runtime", "instability")  # recforge.elastic.events.STAGES
+DECISION_STAGES = ("warm_start", "runtime", "instability")  # recforge.elastic.optimizer.events.STAGES
 
 
 def _event_time(t: float | None) -> str:

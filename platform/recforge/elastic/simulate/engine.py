@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from recforge.elastic.events import Event
-from recforge.elastic.optimizer import JobDescription, JobLimits, JobPlan, Observation
+from recforge.elastic.optimizer.events import Event
+from recforge.elastic.optimizer.dlrover import JobDescription, JobLimits, JobPlan, Observation
 from recforge.elastic.simulate import truth
 from recforge.elastic.simulate.cluster import Cluster, ClusterSpec
 from recforge.elastic.simulate.policies import SimPolicy

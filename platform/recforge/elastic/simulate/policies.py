@@ -6,18 +6,18 @@
 - `dlrover`: DLRover-RM: stage 1 from the history of the job's scenario (filled as jobs finish), stage 2
   as above but from the warm-start model, stage 3 (stragglers, hot servers, memory, pending), and
   elastic failover (an evicted pod is relaunched alone, without restarting the job).
-All use the real `recforge.elastic.optimizer` code.
+All use the real `recforge.elastic.optimizer.dlrover` code.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from recforge.elastic.events import Event
-from recforge.elastic.history import InMemoryHistory, JobRecord
-from recforge.elastic.optimizer import (
+from recforge.elastic.optimizer.events import Event
+from recforge.elastic.optimizer.history import InMemoryHistory, JobRecord
+from recforge.elastic.optimizer.dlrover import (
     InstabilityStage, JobDescription, JobLimits, JobPlan, Observation, OptimizerConfig, RuntimeStage, warm_start,
 )
-from recforge.elastic.resource_model import PS_TERMS, ThroughputModel
+from recforge.elastic.optimizer.throughput_model import PS_TERMS, ThroughputModel
 
 GiB = float(1 << 30)
 

@@ -20,9 +20,9 @@ from torch import Tensor
 from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.columns import sources
-from recforge.preprocess.ops import logit_bounds
-from recforge.preprocess.plan import FeaturePlan, Plan
-from recforge.preprocess.registry import OPS, Value
+from recforge.preprocess.semantics.ops import logit_bounds
+from recforge.preprocess.planning.plan import FeaturePlan, Plan
+from recforge.preprocess.semantics.registry import OPS, Value
 
 # step codes: the ChainCode enum of csrc/fused_cpu.cpp
 FILL_FLOAT, FILL_ID, LOGIT, BOXCOX, CLAMP_FLOAT, CLAMP_ID, SIGRID_HASH, BUCKETIZE, MAPID, CAST_FLOAT, CAST_ID, \

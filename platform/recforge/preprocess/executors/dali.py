@@ -22,11 +22,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.columns import Col, check_batch, finish, sources
-from recforge.preprocess.compiler import FusedGroup
+from recforge.preprocess.planning.compiler import FusedGroup
 from recforge.preprocess.executors.fused import FusedExecutor
-from recforge.preprocess.graph import Node
-from recforge.preprocess.ops import logit_bounds
-from recforge.preprocess.plan import Plan
+from recforge.preprocess.planning.graph import Node
+from recforge.preprocess.semantics.ops import logit_bounds
+from recforge.preprocess.planning.plan import Plan
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,11 @@ from recforge_kernels.fused import eager_impl
 from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.columns import BatchError, Col, check_batch, finish, sources
-from recforge.preprocess.compiler import CompiledPlan, FusedGroup, compile_plan
+from recforge.preprocess.planning.compiler import CompiledPlan, FusedGroup, compile_plan
 from recforge.preprocess.executors.chain import ChainProgram, NotChainable, chain_program
-from recforge.preprocess.graph import Node
-from recforge.preprocess.ops import logit_bounds
-from recforge.preprocess.plan import Plan
+from recforge.preprocess.planning.graph import Node
+from recforge.preprocess.semantics.ops import logit_bounds
+from recforge.preprocess.planning.plan import Plan
 
 class _Kernels:
     """recforge::fused_* by name, called through their Python bodies (recforge_kernels.fused.eager_impl): the same

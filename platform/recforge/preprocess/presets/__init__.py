@@ -1,7 +1,7 @@
 """Preset preprocessing plans (RAP's plans 0-3 as YAML data files beside this module) and the datasets they read.
 
 `load_plan("plan2")` loads a preset, `load_plan("path/to/plan.yaml")` a file, and `load_plan("criteo", dataset,
-table_cap)` builds recforge.preprocess.plan.criteo_plan (the pipeline's default).
+table_cap)` builds recforge.preprocess.planning.plan.criteo_plan (the pipeline's default).
 """
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Callable
 
 from recforge.config import DatasetConfig, criteo_kaggle_dataset
-from recforge.preprocess.plan import Plan, criteo_plan
-from recforge.preprocess.presets.datasets import (
+from recforge.preprocess.planning.plan import Plan, criteo_plan
+from recforge.config import (
     criteo_terabyte_dataset,
     rap_plan2_dataset,
     rap_plan3_dataset,

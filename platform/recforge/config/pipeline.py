@@ -1,0 +1,127 @@
+"""Typed configuration of a pipeline run: model, training, resources, RAP co-run, and the whole PipelineConfig."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from recforge.config.base import StrictModel
+from recforge.config.datasets import DATASET_PRESETS, DatasetConfig
+
+
+
+class ModelConfig(StrictModel):
+    arch: Literal["dlrm", "dlrm_dcn"] = "dlrm"
+    embedding_dim: int = Field(16, ge=1)
+    dense_arch: list[int] = Field(default_factory=lambda: [64, 16], min_length=1)
+    over_arch: list[int] = Field(default_factory=lambda: [64, 32, 1], min_length=1)
+    dcn_num_layers: int = Field(2, ge=1)
+    dcn_low_rank_dim: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _shapes(self) -> "ModelConfig":
+        if self.dense_arch[-1] != self.embedding_dim:
+            raise ValueError(
+                f"dense_arch: last layer ({self.dense_arch[-1]}) must equal embedding_dim ({self.embedding_dim})"
+            )
+        if self.over_arch[-1] != 1:
+            raise ValueError(f"over_arch: last layer must be 1 (one logit), got {self.over_arch[-1]}")
+        return self
+
+
+class TrainConfig(StrictModel):
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(512, ge=1, description="per-worker batch size")
+    embedding_lr: float = Field(0.05, gt=0)
+    dense_lr: float = Field(0.002, gt=0)
+    batches_per_task: int = Field(8, ge=1, description="data-shard task size handed out by the job master")
+    log_every: int = Field(20, ge=1)
+    sharding: Literal["auto", "table_wise", "column_wise", "data_parallel"] = "auto"
+    fused_embeddings: bool = Field(True, description="FBGEMM TBE with the optimizer applied in backward")
+    lease_timeout_s: float = Field(120.0, gt=0)
+
+
+class DLRoverConfig(StrictModel):
+    """DLRover-RM stages 2/3 while a job trains (resources.policy == "dlrover"); defaults are DLRover's."""
+
+    profile_interval_s: float = Field(5.0, gt=0, description="seconds between throughput samples of the running job")
+    profile_samples: int = Field(3, ge=1, description="samples at a plan before stage 2 acts on it")
+    change_interval_s: float = Field(300.0, ge=0, description="pacing: at least this long between executed changes")
+    min_gain_ratio: float = Field(0.2, gt=0, description="stop growing below this marginal gain ratio")
+    pending_timeout_s: float = Field(600.0, gt=0, description="pods pending this long are relaunched smaller")
+    max_cpu: float | None = Field(None, gt=0, description="the job's total cores (default: this machine's)")
+    max_workers: int | None = Field(None, ge=1, description="the most workers (default: 60, DLRover's cap)")
+    worker_memory_gib: float | None = Field(None, gt=0, description="memory per worker the plan starts from "
+                                            "(default 4 GiB; the pods' request on Kubernetes)")
+
+
+class ResourceConfig(StrictModel):
+    workers: int = Field(2, ge=1)
+    threads_per_worker: int = Field(1, ge=1)
+    backend: Literal["local", "kubernetes"] = "local"
+    policy: Literal["static", "dlrover"] = "static"
+    max_restarts: int = Field(3, ge=0)
+    dlrover: DLRoverConfig = Field(default_factory=DLRoverConfig)
+
+
+class CorunConfig(StrictModel):
+    """RAP co-running in the training workers (preprocessing: corun; recforge.rap)."""
+
+    threads: int = Field(1, ge=1, description="intra-op threads of each worker's co-run thread (<= threads_per_worker)")
+    stage: Literal["emb_fwd", "mlp_fwd", "mlp_bwd", "emb_bwd", "allreduce"] = Field(
+        "mlp_bwd", description="without a stored stage profile: the training stage every fused kernel starts in")
+    profile_dir: str | None = Field(None, description="stored RAP stage profiles (default $RECFORGE_HOME/rap/profiles)")
+    mapping: bool = Field(True, description="RAP's mapping (2+ workers): tables placed by the mapping MILP, each table's ids "
+                          "preprocessed on its owner over the global batch, no input all-to-all (recforge.rap.mapping.mapped_input)")
+
+
+class PipelineConfig(StrictModel):
+    """One daily pipeline run; the DAG's Params map onto these fields."""
+
+    dataset_preset: str = "criteo_kaggle"
+    source_dir: str | None = Field(None, description="raw day files (day_*.tsv[.gz]) to ingest; None generates synthetic days")
+    rows_per_day: int = Field(200_000, ge=100)
+    train_days: int = Field(1, ge=1, description="days trained on; one more day is held out for evaluation")
+    seed: int = 0
+    table_cap: int = Field(100_000, ge=1, description="embedding rows per table: sigrid_hash modulus is min(cardinality, cap)")
+    rows_per_shard: int = Field(50_000, ge=1)
+    max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
+    champion_margin: float = Field(0.005, ge=0.0, description="AUC a new model may lose against the champion and still be promoted")
+    preprocess_executor: Literal["eager", "fused", "dali"] = Field(
+        "fused", description="preprocessing executor of the training workers (recforge.preprocess.executor.make_executor)")
+    preprocess_plan: str = Field(
+        "criteo", description="preprocessing plan: 'criteo' (RAP plan 0 over the dataset, tables capped by table_cap), "
+        "a preset 'plan0'..'plan3', or a plan file path (.json/.yaml)")
+    preprocessing: Literal["inline", "corun", "offline"] = Field(
+        "inline", description="inline: each worker preprocesses a batch right before its step; corun: RAP, batch "
+        "i+1's fused kernels run inside step i's stages (recforge.rap); offline: the train task preprocesses the "
+        "whole training data first, then trains from it")
+    corun: CorunConfig = Field(default_factory=CorunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    resources: ResourceConfig = Field(default_factory=ResourceConfig)
+
+    @field_validator("dataset_preset")
+    @classmethod
+    def _known_preset(cls, v: str) -> str:
+        if v not in DATASET_PRESETS:
+            raise ValueError(f"unknown preset {v!r}; choose one of {sorted(DATASET_PRESETS)}")
+        return v
+
+    def dataset(self) -> DatasetConfig:
+        return dataset_preset(self.dataset_preset)
+
+
+def load_config(path: str | Path, model: type[BaseModel] = PipelineConfig) -> BaseModel:
+    """Load YAML or JSON into `model`; pydantic's error names the offending field."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"config file not found: {path}")
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if data is None:
+        raise ValueError(f"config file is empty: {path}")
+    return model.model_validate(data)

@@ -1,0 +1,321 @@
+"""KubernetesBackend: the job's workers as pods, created and watched by the job master (official client).
+
+Per launch (a launch generation): the headless rendezvous Service (once per job) and one pod per
+worker (recforge.elastic.backends.k8s_manifests.worker_pod: torchrun with c10d through the Service, the
+plan's CPU / memory / GPU requests, job + launch + index labels, owned by the master pod).
+`wait` watches the pods' phases (list, then a watch stream, re-listing after every stream so no
+event is lost): all Succeeded -> 0; one Failed -> its container's exit code (137 and reason
+OOMKilled are reported as out of memory); a pod deleted or evicted -> -1. `stop` deletes the
+launch's pods; `cleanup` deletes everything of the job (pods and Service). `grow_memory` is how the
+failover policy's "relaunch with more memory" reaches the next launch.
+
+The master must be reachable from the pods: `master_hosts` tells run_training_job to bind on all
+interfaces and to advertise the master pod's IP (POD_IP, from the downward API).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recforge.elastic.backends.base import JobFailedError
+from recforge.elastic.backends.k8s_manifests import (
+    GENERATION_LABEL, JOB_LABEL, WORKER_APP, JobPodSettings, PodResources, rdzv_service_name, rendezvous_service,
+    selector, validate, worker_pod,
+)
+from recforge.elastic.policy import ResourcePlan
+
+log = logging.getLogger(__name__)
+
+_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+_FACTORS = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def memory_bytes(quantity: str) -> int:
+    m = _QUANTITY.match(str(quantity).strip())
+    if not m:
+        raise ValueError(f"memory quantity {quantity!r}: expected a number with an optional Ki/Mi/Gi/Ti/k/M/G/T suffix")
+    return int(float(m.group(1)) * _FACTORS[m.group(2)])
+
+
+def memory_quantity(n_bytes: int) -> str:
+    return f"{max(1, -(-int(n_bytes) // 2**20))}Mi"
+
+
+@dataclass
+class K8sHandle:
+    generation: int
+    pods: list[str]
+    plan: ResourcePlan
+    phases: dict[str, str] = field(default_factory=dict)
+    exit_codes: dict[str, int] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    exit_code: int | None = None
+    log_path: Path | None = None
+    launched_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def failed(self) -> list[str]:
+        return [p for p in self.pods if self.phases.get(p) in ("Failed", "Gone")]
+
+    @property
+    def oom_killed(self) -> bool:
+        return any(self.reasons.get(p) == "OOMKilled" for p in self.failed)
+
+
+class KubernetesBackend:
+    """`settings`: namespace, job id, image, data volume. `memory`: each worker pod's request (and limit);
+    CPU requests follow the plan's threads per worker. `owner`: the master pod ({apiVersion, kind, name,
+    uid}; default from POD_NAME / POD_UID). `api_client`: a kubernetes.client.ApiClient (default: in-cluster
+    config, else the kubeconfig)."""
+
+    max_restarts = 0  # torchrun in the pods restarts nothing: every relaunch is the supervisor's
+
+    def __init__(
+        self, settings: JobPodSettings, *, memory: str = "4Gi", gpus_per_worker: int = 0,
+        owner: dict[str, str] | None = None, flash_agent: dict[str, str] | None = None, api_client: Any = None,
+        poll_s: float = 2.0, tail_lines: int = 80, delete_grace_s: int = 30, validate_manifests: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.memory = memory_quantity(memory_bytes(memory))
+        self.gpus_per_worker = gpus_per_worker
+        self.owner = owner if owner is not None else _owner_from_env()
+        self.flash_agent = flash_agent
+        self._api = api_client
+        self.poll_s, self.tail_lines, self.delete_grace_s = poll_s, tail_lines, delete_grace_s
+        self.validate_manifests = validate_manifests
+        self._launches = 0
+
+    # ---- the client ------------------------------------------------------------------------
+    @property
+    def core(self):
+        from kubernetes import client, config
+
+        if self._api is None:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            self._api = client.ApiClient()
+        return client.CoreV1Api(self._api)
+
+    @property
+    def master_hosts(self) -> tuple[str, str]:
+        """(bind address, address the workers use) for the job master."""
+        return "0.0.0.0", os.environ.get("POD_IP") or os.environ.get("RECFORGE_MASTER_HOST", "127.0.0.1")
+
+    # ---- Backend ---------------------------------------------------------------------------
+    def launch(self, spec_path: Path, plan: ResourcePlan) -> K8sHandle:
+        from kubernetes.client import ApiException
+
+        generation = self._launches
+        self._launches += 1
+        core, ns = self.core, self.settings.namespace
+        svc = rendezvous_service(self.settings, self.owner)
+        self._check(svc)
+        try:
+            core.create_namespaced_service(ns, svc)
+        except ApiException as e:
+            if e.status != 409:  # it exists already: one Service per job, reused by every launch
+                raise
+        resources = PodResources(cpu=float(plan.threads_per_worker), memory=self.memory, gpus=self.gpus_per_worker)
+        pods = []
+        for index in range(plan.workers):
+            pod = worker_pod(
+                self.settings, index=index, workers=plan.workers, generation=generation, spec_path=str(spec_path),
+                resources=resources, threads=plan.threads_per_worker, owner=self.owner, flash_agent=self.flash_agent,
+                procs_per_pod=max(1, self.gpus_per_worker),
+            )
+            self._check(pod)
+            core.create_namespaced_pod(ns, pod)
+            pods.append(pod["metadata"]["name"])
+        log.info("launch %d: created %d worker pod(s) in %s (%s, memory %s)", generation, len(pods), ns,
+                 rdzv_service_name(self.settings.job_id), self.memory)
+        return K8sHandle(generation=generation, pods=pods, plan=plan, phases={p: "Pending" for p in pods})
+
+    def wait(self, handle: K8sHandle, timeout: float | None = None, check: bool = True) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._relist(handle)
+            code = self._outcome(handle)
+            if code is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._watch(handle, self.poll_s if left is None else min(left, self.poll_s))
+                code = self._outcome(handle)
+            if code is not None:
+                handle.exit_code = code
+                if check and code != 0:
+                    tail = self.log_tail(handle)
+                    raise JobFailedError(
+                        f"worker pod(s) {handle.failed} of launch {handle.generation} failed (exit code {code}"
+                        f"{', OOMKilled' if handle.oom_killed else ''})\n--- last lines ---\n{tail}",
+                        exit_code=code, log_tail=tail,
+                    )
+                return code
+
+    def stop(self, handle: K8sHandle) -> None:
+        from kubernetes.client import ApiException
+
+        for name in handle.pods:
+            try:
+                self.core.delete_namespaced_pod(name, self.settings.namespace, grace_period_seconds=self.delete_grace_s)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        if handle.exit_code is None:
+            handle.exit_code = -15
+
+    def log_tail(self, handle: K8sHandle) -> str:
+        from kubernetes.client import ApiException
+
+        out = []
+        for name in handle.failed or handle.pods:
+            try:
+                text = self.core.read_namespaced_pod_log(name, self.settings.namespace, container="worker",
+                                                         tail_lines=self.tail_lines)
+            except ApiException as e:
+                text = f"(no log: HTTP {e.status})"
+            reason = handle.reasons.get(name)
+            out.append(f"--- pod {name} ({handle.phases.get(name)}{', ' + reason if reason else ''}) ---\n{text}")
+        return "\n".join(out)
+
+    # ---- beyond the protocol ------------------------------------------------------------------
+    def pending_s(self, handle: K8sHandle) -> float:
+        """Seconds since the launch while any of its pods is still Pending (0 once all left Pending);
+        the phases are the ones `wait` saw last."""
+        if any(handle.phases.get(p, "Pending") == "Pending" for p in handle.pods):
+            return time.monotonic() - handle.launched_at
+        return 0.0
+
+    def grow_memory(self, factor: float) -> str:
+        """Raise the memory of the next launch's pods (the failover policy's OOM answer)."""
+        self.memory = memory_quantity(memory_bytes(self.memory) * factor)
+        log.warning("worker pod memory raised to %s for the next launch", self.memory)
+        return self.memory
+
+    def cleanup(self) -> None:
+        """Delete every pod and the Service of this job (all launches)."""
+        from kubernetes.client import ApiException
+
+        core, ns = self.core, self.settings.namespace
+        for pod in core.list_namespaced_pod(ns, label_selector=selector(self.settings.job_id)).items:
+            if _labels(pod).get(JOB_LABEL) == self.settings.job_id:
+                try:
+                    core.delete_namespaced_pod(pod.metadata.name, ns, grace_period_seconds=self.delete_grace_s)
+                except ApiException as e:
+                    if e.status != 404:
+                        raise
+        try:
+            core.delete_namespaced_service(rdzv_service_name(self.settings.job_id), ns)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    # ---- internals -------------------------------------------------------------------------
+    def _check(self, manifest: dict[str, Any]) -> None:
+        if self.validate_manifests:
+            validate(manifest)
+
+    def _mine(self, pod: Any, handle: K8sHandle) -> bool:
+        # label selectors are applied here too: an emulated API server may not filter
+        labels = _labels(pod)
+        return (labels.get(JOB_LABEL) == self.settings.job_id and labels.get("app.kubernetes.io/name") == WORKER_APP
+                and labels.get(GENERATION_LABEL) == str(handle.generation) and pod.metadata.name in handle.pods)
+
+    def _apply(self, pod: Any, handle: K8sHandle, deleted: bool = False) -> None:
+        name = pod.metadata.name
+        if deleted:
+            if handle.phases.get(name) not in ("Succeeded", "Failed"):
+                handle.phases[name], handle.reasons[name] = "Gone", "deleted or evicted"
+            return
+        status = pod.status
+        phase = (status.phase if status is not None else None) or "Pending"
+        handle.phases[name] = phase
+        if status is not None and status.reason:
+            handle.reasons[name] = status.reason
+        for cs in (status.container_statuses or []) if status is not None else []:
+            term = cs.state.terminated if cs.state is not None else None
+            if cs.name == "worker" and term is not None:
+                handle.exit_codes[name] = int(term.exit_code)
+                if term.reason:
+                    handle.reasons[name] = term.reason
+
+    def _relist(self, handle: K8sHandle) -> None:
+        items = self.core.list_namespaced_pod(self.settings.namespace,
+                                              label_selector=selector(self.settings.job_id, handle.generation)).items
+        seen = set()
+        for pod in items:
+            if self._mine(pod, handle):
+                seen.add(pod.metadata.name)
+                self._apply(pod, handle)
+        for name in handle.pods:
+            if name not in seen and handle.phases.get(name) not in ("Succeeded", "Failed"):
+                handle.phases[name], handle.reasons[name] = "Gone", "deleted or evicted"
+
+    def _watch(self, handle: K8sHandle, window_s: float) -> None:
+        from kubernetes import watch
+        from urllib3.exceptions import ProtocolError, ReadTimeoutError
+
+        w = watch.Watch()
+        try:
+            for ev in w.stream(self.core.list_namespaced_pod, self.settings.namespace,
+                               label_selector=selector(self.settings.job_id, handle.generation),
+                               timeout_seconds=max(1, int(window_s)), _request_timeout=max(window_s, 0.5)):
+                pod = ev["object"]
+                if self._mine(pod, handle):
+                    self._apply(pod, handle, deleted=ev["type"] == "DELETED")
+                    if self._outcome(handle) is not None:
+                        break
+        except (ReadTimeoutError, ProtocolError, TimeoutError):
+            pass  # the window ended without a decisive event; the caller re-lists
+        finally:
+            w.stop()
+
+    @staticmethod
+    def _outcome(handle: K8sHandle) -> int | None:
+        failed = handle.failed
+        if failed:
+            name = failed[0]
+            if handle.phases[name] == "Gone":
+                return -1
+            return handle.exit_codes.get(name, 1) or 1
+        if all(handle.phases.get(p) == "Succeeded" for p in handle.pods):
+            return 0
+        return None
+
+
+def _labels(pod: Any) -> dict[str, str]:
+    return dict((pod.metadata.labels or {}) if pod.metadata is not None else {})
+
+
+def _owner_from_env() -> dict[str, str] | None:
+    name, uid = os.environ.get("POD_NAME"), os.environ.get("POD_UID")
+    if name and uid:
+        return {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid}
+    return None
+
+
+def backend_from_environment(state_dir: str | Path) -> KubernetesBackend:
+    """The backend of a master running in a pod (master_pod / the Airflow KubernetesPodOperator):
+    namespace from POD_NAMESPACE, image from RECFORGE_IMAGE, worker memory from RECFORGE_WORKER_MEMORY,
+    GPUs from RECFORGE_WORKER_GPUS, the job id from the state directory's name."""
+    image = os.environ.get("RECFORGE_IMAGE")
+    if not image:
+        raise ValueError("resources.backend='kubernetes' needs RECFORGE_IMAGE (the worker image) in the environment")
+    name = re.sub(r"[^a-z0-9-]+", "-", Path(state_dir).resolve().parent.name.lower()).strip("-")[:40] or "job"
+    import hashlib
+
+    job_id = f"{name}-{hashlib.sha1(str(Path(state_dir).resolve()).encode()).hexdigest()[:8]}"
+    settings = JobPodSettings(
+        namespace=os.environ.get("POD_NAMESPACE", "recforge"), job_id=job_id, image=image,
+        data_claim=os.environ.get("RECFORGE_DATA_CLAIM", "recforge-data"),
+        data_mount=os.environ.get("RECFORGE_HOME", "/var/lib/recforge"),
+    )
+    return KubernetesBackend(settings, memory=os.environ.get("RECFORGE_WORKER_MEMORY", "4Gi"),
+                             gpus_per_worker=int(os.environ.get("RECFORGE_WORKER_GPUS", "0")))

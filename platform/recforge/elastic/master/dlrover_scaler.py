@@ -1,0 +1,218 @@
+"""DLRover-RM stages 2 and 3 (recforge.elastic.optimizer.dlrover) executed through the supervisor's rescales.
+
+A `Scaler` for run_training_job's supervisor. Every poll (at most every `min_interval_s`) it turns
+the job master's state into an `Observation`: throughput from the rows done between two polls (a
+window counts when training went on in the windows around it, so start-up and shut-down stay out),
+each worker's step time from the rows it reported since its group started, the workers' resident
+memory and the seconds the launch has been pending (`state["launch"]`, from the backend), the plan
+the group runs. Stage 3 (`InstabilityStage`) sees it first; when it asks for nothing executable,
+stage 2 (`RuntimeStage`) does. The first executable decision becomes a `supervisor.Rescale`:
+
+| decision | carried out as |
+|---|---|
+| stage 2: workers or cores per worker change | checkpoint, stop, relaunch at the new plan (resharded) |
+| straggler (step time > 2x the median) | checkpoint, stop, relaunch at the same size (new processes / pods) |
+| predicted memory exhaustion / OOM | Kubernetes: relaunch with the event's pod memory; local: relaunch with twice the gradient accumulation (half the per-rank micro-batch, same global batch) |
+| pods pending past the timeout | killed at once (nothing trained to save) and relaunched smaller |
+| hot server / shard, server changes, memory right-sizing | not executable for our all-to-all TorchRec trainer: logged, marked "not executed" |
+
+An event is marked `executed` (and its reason says how) when the relaunch carrying it starts, or
+"not executed: <why>" when the supervisor or the master refused it. Executions are paced: at most
+one every `OptimizerConfig.interval_s` (stage 2's own pacing), stage 3 relaunches likewise.
+Locally a memory action halves the micro-batch instead of raising memory: the controller then books
+the event's memory as the plan's (it cannot see the activations' share) and never accumulates beyond
+`max_grad_accumulation`.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import replace
+from typing import Any, Callable
+
+from recforge.elastic.optimizer.events import Event
+from recforge.elastic.optimizer.dlrover import DLRoverPolicy, JobPlan, Observation
+from recforge.elastic.policy import ResourcePlan
+from recforge.elastic.master.supervisor import Rescale
+
+log = logging.getLogger(__name__)
+
+NOT_EXECUTABLE = {
+    "migrate_hot_server": "the trainer has no parameter servers (TorchRec shards embeddings over the workers)",
+    "rebalance_hot_shard": "resharding a hot embedding shard is left to the TorchRec planner at the next launch",
+    "relaunch_servers_more_memory": "the trainer has no parameter servers",
+    "memory_at_limit": "the pod is at the memory cap",
+}
+
+
+class DLRoverScaler:
+    def __init__(self, policy: DLRoverPolicy, *, min_interval_s: float = 5.0, memory_action: str = "accumulate",
+                 max_grad_accumulation: int = 8, clock: Callable[[], float] = time.time) -> None:
+        """`memory_action`: "accumulate" (local) or "more_memory" (a backend with grow_memory)."""
+        if policy.warm is None:
+            raise RuntimeError("DLRoverScaler: the policy has no plan yet; call policy.plan(job) (stage 1) first")
+        if memory_action not in ("accumulate", "more_memory"):
+            raise ValueError(f"memory_action must be 'accumulate' or 'more_memory', got {memory_action!r}")
+        self.policy, self.clock, self.min_interval_s = policy, clock, min_interval_s
+        self.memory_action, self.max_grad_accumulation = memory_action, max_grad_accumulation
+        self.runtime = policy.runtime()
+        self.instability = policy.instability()
+        self.plan: JobPlan = policy.warm.plan
+        self.events: list[Event] = []
+        self.measured: list[dict[str, Any]] = []  # one per poll with throughput: plan and samples/s
+        self._last: tuple[float, int] | None = None
+        self._first_seen: dict[str, tuple[float, int]] = {}  # worker id -> (time, its samples) when first seen
+        self._last_executed_s: float | None = None
+        self._training_polls = 0
+        self._rates: list[float] = []  # rows/s of the last three poll windows
+        self._skipped: set[tuple[str, str]] = set()  # (action, why) already logged as not executed
+        self._repeats: set[int] = set()  # ids of events that only repeat such a skip (not logged again)
+
+    # ---- the Scaler protocol ----------------------------------------------------------------
+    def __call__(self, state: dict[str, Any], running: ResourcePlan) -> Rescale | None:
+        now = self.clock()
+        if self._last is not None and now - self._last[0] < self.min_interval_s:
+            return None
+        self._repeats.clear()
+        rows = int(state["rows_done_total"])
+        rate = None
+        if self._last is not None and now > self._last[0] and rows >= self._last[1]:
+            rate = (rows - self._last[1]) / (now - self._last[0])
+        self._last = (now, rows)
+        # a window is a throughput sample only when training went on in the windows before and after it:
+        # the first and last windows of a group also hold start-up and shut-down time
+        self._rates = (self._rates + [rate or 0.0])[-3:]
+        sps = self._rates[1] if len(self._rates) == 3 and min(self._rates) > 0 else None
+        if (running.workers, running.threads_per_worker) != (self.plan.workers, self.plan.to_resource_plan().threads_per_worker):
+            self.plan = replace(self.plan, workers=running.workers, cpu_per_worker=float(running.threads_per_worker))
+        launch = state.get("launch") or {}
+        self._training_polls = self._training_polls + 1 if sps else 0
+        obs = Observation(
+            time_s=now, plan=self.plan, samples_per_s=sps, step=rows // max(1, self.plan.batch_size),
+            worker_step_s=self._step_times(state, now),
+            # RSS climbs while a group builds its model and takes its first steps: not a trend to extrapolate
+            worker_memory=list(launch.get("worker_memory") or []) if self._training_polls >= 3 else [],
+            pending_s=float(launch.get("pending_s") or 0.0),
+        )
+        if sps:
+            self.measured.append({"time_s": now, "workers": self.plan.workers,
+                                  "threads_per_worker": running.threads_per_worker, "samples_per_s": sps})
+        events = self._run("instability", self.instability.observe, obs)
+        decision = self._first_decision(events, launch)
+        if decision is None:  # memory is stage 3's: stage 2 right-sizes no pod memory our launchers could not set
+            more = self._run("runtime", self.runtime.observe, replace(obs, worker_memory=[]))
+            events += more
+            decision = self._first_decision(more, launch)
+        self.events.extend(e for e in events if id(e) not in self._repeats)
+        return decision
+
+    # ---- internals -------------------------------------------------------------------------
+    def _run(self, stage: str, fn: Callable[[Observation], list[Event]], obs: Observation) -> list[Event]:
+        try:
+            return fn(obs)
+        except Exception as e:  # the optimizer must never take the training job down
+            log.exception("DLRover stage %s failed", stage)
+            return [Event(stage, "fallback", f"{stage} stage failed ({type(e).__name__}: {e}); plan kept",
+                          plan_before=obs.plan.to_dict(), time_s=obs.time_s)]
+
+    def _step_times(self, state: dict[str, Any], now: float) -> list[float]:
+        """Seconds per batch of each worker of the newest group, over the time since it was first seen;
+        empty until every one of them has been watched for two poll intervals."""
+        workers = state.get("workers") or {}
+        if not workers:
+            return []
+        newest = max(int(w.get("generation", 0)) for w in workers.values())
+        group = {wid: int(w.get("samples", 0)) for wid, w in sorted(workers.items())
+                 if int(w.get("generation", 0)) == newest}
+        seen = {wid: self._first_seen.setdefault(wid, (now, n)) for wid, n in group.items()}
+        if len(group) < 2 or any(now - t0 < 2 * self.min_interval_s for t0, _ in seen.values()):
+            return []
+        rates = [(group[wid] - s0) / (now - t0) for wid, (t0, s0) in seen.items()]
+        return [self.plan.batch_size / r if r > 0 else float("inf") for r in rates]
+
+    def _first_decision(self, events: list[Event], launch: dict[str, Any]) -> Rescale | None:
+        for e in events:
+            decision = self._decision(e, launch)
+            if decision is not None:
+                return decision
+        return None
+
+    def _decision(self, e: Event, launch: dict[str, Any]) -> Rescale | None:
+        if e.action == "replace_straggler":
+            new = self.plan
+        elif not e.changes_plan or e.plan_after is None:
+            return None
+        else:
+            new = JobPlan.from_dict(e.plan_after)
+        paced = (self._last_executed_s is not None and e.time_s - self._last_executed_s < self.policy.config.interval_s
+                 and e.action != "relaunch_smaller")
+        if e.action in NOT_EXECUTABLE:
+            return self._skip(e, NOT_EXECUTABLE[e.action])
+        if paced:
+            return self._skip(e, f"paced: the last change was {e.time_s - self._last_executed_s:.0f}s ago "
+                                 f"(< {self.policy.config.interval_s:.0f}s)")
+        settle = self._settler(e, new)
+        if e.action == "replace_straggler":
+            return Rescale(workers=self.plan.workers, relaunch=True, reason=e.reason, on_applied=settle)
+        if e.action == "relaunch_smaller":
+            return Rescale(workers=new.workers, threads_per_worker=new.to_resource_plan().threads_per_worker,
+                           immediate=True, reason=e.reason, on_applied=settle)
+        if e.action == "relaunch_workers_more_memory":
+            if self.memory_action == "more_memory":
+                factor = new.memory_per_worker / self.plan.memory_per_worker
+                return Rescale(workers=self.plan.workers, memory_factor=factor, reason=e.reason, on_applied=settle)
+            k = int(launch.get("grad_accumulation") or 1)
+            if 2 * k > self.max_grad_accumulation:
+                return self._skip(e, f"gradient accumulation is at {k}; doubling it would pass "
+                                     f"max_grad_accumulation={self.max_grad_accumulation}")
+            return Rescale(workers=self.plan.workers, grad_accumulation_factor=2, reason=e.reason, on_applied=settle)
+        before, after = self.plan.to_resource_plan(), new.to_resource_plan()
+        if (after.workers, after.threads_per_worker) != (before.workers, before.threads_per_worker):
+            return Rescale(workers=after.workers, threads_per_worker=after.threads_per_worker, reason=e.reason,
+                           on_applied=settle)
+        return self._skip(e, "only memory or server fields change; the local and Kubernetes launchers set those per "
+                             "backend, not per plan")
+
+    def _settler(self, e: Event, new: JobPlan) -> Callable[[bool, str], None]:
+        def settle(applied: bool, note: str) -> None:
+            if applied:
+                e.executed = True
+                e.reason += f" [executed: {note}]"
+                self.plan, self._last_executed_s = new, self.clock()
+                self._first_seen.clear()
+                self._skipped.clear()
+                self._rates.clear()
+                self.instability.trends.clear()  # new processes: their memory starts a new trend
+            else:
+                e.reason += f" [not executed: {note}]"
+        return settle
+
+    def _skip(self, e: Event, why: str) -> None:
+        key = (e.action, why.split(":")[0])
+        if key in self._skipped:
+            self._repeats.add(id(e))
+        self._skipped.add(key)
+        e.reason += f" [not executed: {why}]"
+        return None
+
+    # ---- reporting -------------------------------------------------------------------------
+    def throughput_by_plan(self) -> list[dict[str, Any]]:
+        """Median measured samples/s per plan, in the order the plans ran."""
+        groups: dict[tuple[int, int], list[float]] = {}
+        for m in self.measured:
+            groups.setdefault((m["workers"], m["threads_per_worker"]), []).append(m["samples_per_s"])
+        return [{"workers": w, "threads_per_worker": t, "samples_per_s": statistics.median(v), "polls": len(v)}
+                for (w, t), v in groups.items()]
+
+
+def scaler_from_stage1(state: dict[str, Any], settings: Any = None, *, memory_action: str = "accumulate",
+                       clock: Callable[[], float] = time.time) -> DLRoverScaler:
+    """The stage 2/3 controller of a pipeline job from the plan task's stage 1 state and the pipeline's
+    resources.dlrover settings (recforge.config.DLRoverConfig; None: DLRover's defaults). An unreadable
+    state raises ValueError naming the problem."""
+    from recforge.elastic.optimizer.dlrover import optimizer_config
+
+    policy = DLRoverPolicy.from_stage1(state, optimizer_config(settings))
+    interval = float(settings.profile_interval_s) if settings is not None else 5.0
+    return DLRoverScaler(policy, min_interval_s=interval, memory_action=memory_action, clock=clock)

@@ -1,0 +1,1 @@
+"""recforge.elastic.optimizer.dlrover."""

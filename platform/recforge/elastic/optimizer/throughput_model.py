@@ -1,0 +1,407 @@
+"""Resource-performance model: a job's throughput as a function of its resources (DLRover-RM §3).
+
+The model is linear in its non-negative coefficients and predicts the time of one training step
+(every worker processes one batch of B samples):
+
+    T_step(a) = sum_k c_k * term_k(a),  c_k >= 0      throughput(a) = workers * B / T_step(a)
+
+`TERMS` holds the candidate terms: worker compute B/cpu, per-sample work that threads do not speed
+up, collective/fan-out costs in the number of workers, CPU oversubscription of a shared host, and for
+parameter-server jobs the server-side load (w/p)*B/cpu_p, w/p and p. `select_terms` picks a subset by
+leave-one-configuration-out error on measured points; `fit` solves the non-negative least squares
+problem with scipy.optimize.nnls on relative residuals (each row divided by its measured step time),
+reweighted so the fit minimises relative throughput error, the quantity MAPE reports.
+
+`OnlineThroughputModel` refits as samples arrive, pulled towards a prior model (a warm start from
+history, or defaults) with a penalty that the data outweighs as points accumulate; with fewer
+distinct configurations than `min_points` it keeps the prior and says so (`status`).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+from scipy.optimize import nnls
+
+
+class ModelFitError(ValueError):
+    """The points cannot support a fit (too few, non-positive throughput, unknown term)."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The resources of one job: workers, CPU cores (threads) per worker, per-worker batch size, and
+    for parameter-server jobs the number of servers and their cores. `host_cores`: cores of the one
+    machine all workers share (None: every worker has its own cores, as pods on a cluster do)."""
+
+    workers: int
+    cpu_per_worker: float
+    batch_size: int
+    servers: int = 0
+    cpu_per_server: float = 0.0
+    host_cores: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"Allocation.workers must be >= 1, got {self.workers}")
+        if self.cpu_per_worker <= 0:
+            raise ValueError(f"Allocation.cpu_per_worker must be > 0, got {self.cpu_per_worker}")
+        if self.batch_size < 1:
+            raise ValueError(f"Allocation.batch_size must be >= 1, got {self.batch_size}")
+        if self.servers < 0 or (self.servers > 0 and self.cpu_per_server <= 0):
+            raise ValueError(f"Allocation: servers={self.servers} needs cpu_per_server > 0, got {self.cpu_per_server}")
+
+    def replace(self, **kw) -> "Allocation":
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        d.update(kw)
+        return Allocation(**d)
+
+    def to_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Allocation":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass(frozen=True)
+class Sample:
+    allocation: Allocation
+    samples_per_s: float
+    weight: float = 1.0
+
+
+def _cols(allocs: Sequence[Allocation]) -> dict[str, np.ndarray]:
+    w = np.array([a.workers for a in allocs], dtype=float)
+    c = np.array([a.cpu_per_worker for a in allocs], dtype=float)
+    b = np.array([a.batch_size for a in allocs], dtype=float)
+    p = np.array([max(a.servers, 0) for a in allocs], dtype=float)
+    cp = np.array([a.cpu_per_server if a.servers else 1.0 for a in allocs], dtype=float)
+    host = np.array([a.host_cores if a.host_cores else np.inf for a in allocs], dtype=float)
+    return {"w": w, "c": c, "b": b, "p": p, "cp": cp, "host": host}
+
+
+def _oversub(v: dict[str, np.ndarray]) -> np.ndarray:
+    # Threads beyond the host's cores time-share: compute slows by (threads wanted / cores), >= 1.
+    return np.maximum(1.0, v["w"] * v["c"] / v["host"])
+
+
+def _safe_p(v):
+    return np.where(v["p"] > 0, v["p"], np.inf)
+
+
+# name -> (function of the columns, description). Each is a per-step time contribution before its coefficient.
+TERMS: dict[str, tuple[Callable[[dict[str, np.ndarray]], np.ndarray], str]] = {
+    "const": (lambda v: np.ones_like(v["w"]), "fixed per-step overhead (launch, optimizer, python)"),
+    "b_per_cpu": (lambda v: v["b"] / v["c"], "worker compute that threads parallelise"),
+    "b": (lambda v: v["b"], "per-sample work that threads do not speed up"),
+    "b_per_cpu_oversub": (lambda v: v["b"] / v["c"] * _oversub(v), "worker compute, slowed when threads exceed the host's cores"),
+    "b_oversub": (lambda v: v["b"] * _oversub(v), "serial per-sample work, slowed by oversubscription"),
+    "b_threads": (lambda v: v["b"] * (v["c"] - 1), "per-sample cost of extra threads contending (spin-waits on a busy host)"),
+    "bw_threads": (lambda v: v["b"] * v["w"] * (v["c"] - 1), "thread contention that grows with co-located workers"),
+    "w": (lambda v: v["w"], "collective / fan-out latency growing with workers"),
+    "bw": (lambda v: v["b"] * v["w"], "all-to-all / gradient volume growing with global batch"),
+    "log_w": (lambda v: np.log2(v["w"]), "tree/ring collective latency"),
+    "ps_load": (lambda v: np.where(v["p"] > 0, v["w"] / _safe_p(v) * v["b"] / v["cp"], 0.0), "server compute per server: (w/p)*B/cpu_p"),
+    "ps_fanin": (lambda v: np.where(v["p"] > 0, v["w"] / _safe_p(v), 0.0), "requests per server: w/p"),
+    "ps_count": (lambda v: v["p"], "fan-out to p servers"),
+}
+
+# The DLRover-RM digest's form for parameter-server jobs: [1, B/λw, (w/p)·B/λp, w/p, p, w].
+PS_TERMS = ("const", "b_per_cpu", "ps_load", "ps_fanin", "ps_count", "w")
+# Candidates for our all-reduce/all-to-all TorchRec trainer on one shared host.
+LOCAL_CANDIDATES = ("const", "b_per_cpu", "b", "b_per_cpu_oversub", "b_oversub", "b_threads", "bw_threads", "w", "bw",
+                    "log_w")
+
+
+def design_matrix(allocs: Sequence[Allocation], terms: Sequence[str]) -> np.ndarray:
+    unknown = [t for t in terms if t not in TERMS]
+    if unknown:
+        raise ModelFitError(f"unknown model terms {unknown}; known: {sorted(TERMS)}")
+    v = _cols(allocs)
+    return np.column_stack([TERMS[t][0](v) for t in terms]) if terms else np.zeros((len(allocs), 0))
+
+
+def step_time(allocs: Sequence[Allocation], samples_per_s: Sequence[float]) -> np.ndarray:
+    thr = np.asarray(samples_per_s, dtype=float)
+    w = np.array([a.workers for a in allocs], dtype=float)
+    b = np.array([a.batch_size for a in allocs], dtype=float)
+    return w * b / thr
+
+
+def mape(pred: Iterable[float], actual: Iterable[float]) -> float:
+    p, a = np.asarray(list(pred), float), np.asarray(list(actual), float)
+    return float(np.mean(np.abs(p - a) / np.abs(a))) if len(a) else float("nan")
+
+
+@dataclass
+class ThroughputModel:
+    terms: tuple[str, ...]
+    coef: tuple[float, ...]
+    fit_mape: float = float("nan")  # on the points it was fitted on
+    n_points: int = 0
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.terms = tuple(self.terms)
+        self.coef = tuple(float(c) for c in self.coef)
+        if len(self.terms) != len(self.coef):
+            raise ModelFitError(f"{len(self.terms)} terms but {len(self.coef)} coefficients")
+        unknown = [t for t in self.terms if t not in TERMS]
+        if unknown:
+            raise ModelFitError(f"unknown model terms {unknown}; known: {sorted(TERMS)}")
+        if any(c < 0 or not math.isfinite(c) for c in self.coef):
+            raise ModelFitError(f"coefficients must be finite and >= 0, got {self.coef}")
+
+    def step_time(self, allocs: Sequence[Allocation]) -> np.ndarray:
+        t = design_matrix(allocs, self.terms) @ np.asarray(self.coef)
+        return np.maximum(t, 1e-12)
+
+    def predict(self, allocs: Sequence[Allocation] | Allocation) -> np.ndarray | float:
+        """samples/s for each allocation (a float for a single one)."""
+        single = isinstance(allocs, Allocation)
+        lst = [allocs] if single else list(allocs)
+        w = np.array([a.workers for a in lst], float)
+        b = np.array([a.batch_size for a in lst], float)
+        out = w * b / self.step_time(lst)
+        return float(out[0]) if single else out
+
+    def to_dict(self) -> dict:
+        return {"terms": list(self.terms), "coef": list(self.coef), "fit_mape": self.fit_mape,
+                "n_points": self.n_points, "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "ThroughputModel":
+        try:
+            return cls(terms=tuple(d["terms"]), coef=tuple(d["coef"]), fit_mape=float(d.get("fit_mape", float("nan"))),
+                       n_points=int(d.get("n_points", 0)), meta=dict(d.get("meta") or {}))
+        except (KeyError, TypeError) as e:
+            raise ModelFitError(f"not a throughput model: missing or bad field ({e!r})") from e
+
+    def describe(self) -> str:
+        return " + ".join(f"{c:.3g}*{t}" for t, c in zip(self.terms, self.coef))
+
+
+def _check(samples: Sequence[Sample]) -> None:
+    bad = [s for s in samples if not (s.samples_per_s > 0 and math.isfinite(s.samples_per_s))]
+    if bad:
+        raise ModelFitError(f"throughput must be finite and > 0; bad points: {[(s.allocation, s.samples_per_s) for s in bad[:3]]}")
+
+
+def fit(samples: Sequence[Sample], terms: Sequence[str], *, prior: ThroughputModel | None = None,
+        prior_strength: float = 0.0, irls_iters: int = 5) -> ThroughputModel:
+    """NNLS fit of the step-time model.
+
+    Each row is divided by its measured step time t, so the residual is the relative step-time error
+    r = (pred - t) / t. Throughput's relative error is t / pred - 1 = -r * t / pred, so `irls_iters`
+    reweighting rounds (weights (t / pred)^2, clipped to [0.01, 100]) make the solution minimise the
+    relative throughput error that MAPE reports; every round is a scipy.optimize.nnls solve.
+    With `prior` and `prior_strength` > 0 each coefficient is also pulled towards the prior's (rows
+    `strength * (c_k - prior_k) / scale_k`), so a handful of points refines a warm-start model instead
+    of replacing it. Raises ModelFitError with fewer points than terms when there is no prior.
+    """
+    samples = list(samples)
+    terms = tuple(terms)
+    if not terms:
+        raise ModelFitError("fit: no terms")
+    _check(samples)
+    if len(samples) < len(terms) and (prior is None or prior_strength <= 0):
+        raise ModelFitError(f"fit: {len(samples)} points cannot determine {len(terms)} coefficients {list(terms)}")
+    allocs = [s.allocation for s in samples]
+    t = step_time(allocs, [s.samples_per_s for s in samples]) if samples else np.zeros(0)
+    base_w = np.array([s.weight for s in samples], float) if samples else np.zeros(0)
+    X0 = design_matrix(allocs, terms) / t[:, None] if samples else np.zeros((0, len(terms)))
+    P, q = np.zeros((0, len(terms))), np.zeros(0)
+    if prior is not None and prior_strength > 0:
+        pc = dict(zip(prior.terms, prior.coef))
+        pvec = np.array([pc.get(k, 0.0) for k in terms])
+        ref = allocs or [Allocation(1, 1.0, 512)]
+        cols = np.abs(design_matrix(ref, terms)).mean(axis=0)
+        tref = float(np.mean(t)) if len(t) else float(ThroughputModel(terms, pvec).step_time(ref).mean())
+        # a coefficient's scale: its prior value, or what would make its term 10% of a step
+        scale = np.where(pvec > 0, pvec, 0.1 * tref / np.maximum(cols, 1e-12))
+        P, q = prior_strength * np.diag(1.0 / scale), prior_strength * pvec / scale
+    extra = np.ones(len(t))
+    for it in range(max(irls_iters, 0) + 1):
+        w = np.sqrt(base_w * extra)
+        coef, _ = nnls(np.vstack([X0 * w[:, None], P]), np.concatenate([w, q]), maxiter=50 * max(len(terms), 1))
+        if it == irls_iters or not len(t):
+            break
+        pred = np.maximum(X0 @ coef, 1e-12)  # predicted step time / measured step time
+        extra = np.clip(1.0 / pred, 0.1, 10.0) ** 2
+    model = ThroughputModel(terms, tuple(coef), n_points=len(samples))
+    if samples:
+        model.fit_mape = mape(model.predict(allocs), [s.samples_per_s for s in samples])
+    return model
+
+
+def _config_key(a: Allocation) -> tuple:
+    return (a.workers, a.cpu_per_worker, a.batch_size, a.servers, a.cpu_per_server)
+
+
+def cross_validate(samples: Sequence[Sample], terms: Sequence[str]) -> float:
+    """Leave-one-configuration-out MAPE of throughput (every repetition of a held-out config is held out)."""
+    samples = list(samples)
+    keys = sorted({_config_key(s.allocation) for s in samples})
+    errs = []
+    for k in keys:
+        train = [s for s in samples if _config_key(s.allocation) != k]
+        test = [s for s in samples if _config_key(s.allocation) == k]
+        if len(train) < len(terms):
+            raise ModelFitError(f"cross_validate: {len(train)} training points for {len(terms)} terms")
+        m = fit(train, terms)
+        errs.extend(np.abs(m.predict([s.allocation for s in test]) - np.array([s.samples_per_s for s in test]))
+                    / np.array([s.samples_per_s for s in test]))
+    return float(np.mean(errs))
+
+
+@dataclass
+class TermSelection:
+    terms: tuple[str, ...]
+    cv_mape: float
+    ranking: list[tuple[tuple[str, ...], float]]  # every subset tried, best first
+
+
+def select_terms(samples: Sequence[Sample], candidates: Sequence[str] = LOCAL_CANDIDATES, *, max_terms: int = 4,
+                 tolerance: float = 0.005) -> TermSelection:
+    """Every subset of up to `max_terms` candidates (always with `const`), scored by leave-one-config-out
+    MAPE; the smallest subset within `tolerance` (absolute MAPE) of the best wins."""
+    samples = list(samples)
+    _check(samples)
+    n_configs = len({_config_key(s.allocation) for s in samples})
+    if n_configs < 3:
+        raise ModelFitError(f"select_terms: {n_configs} distinct configurations; need at least 3 to hold one out")
+    rest = [c for c in candidates if c != "const"]
+    ranking = []
+    for k in range(0, max_terms):
+        for combo in itertools.combinations(rest, k):
+            terms = ("const", *combo)
+            if len(terms) > n_configs - 1:
+                continue
+            ranking.append((terms, cross_validate(samples, terms)))
+    ranking.sort(key=lambda r: (r[1], len(r[0])))
+    best = ranking[0][1]
+    chosen = min((r for r in ranking if r[1] <= best + tolerance), key=lambda r: (len(r[0]), r[1]))
+    return TermSelection(terms=chosen[0], cv_mape=chosen[1], ranking=ranking)
+
+
+class OnlineThroughputModel:
+    """Samples arrive one at a time; `refit()` every `refit_every` new ones, from the prior until
+    `min_points` distinct configurations were seen (a single configuration cannot separate terms)."""
+
+    def __init__(self, terms: Sequence[str], prior: ThroughputModel | None = None, *, min_points: int = 3,
+                 prior_strength: float = 0.3, refit_every: int = 1, max_samples: int = 200) -> None:
+        self.terms = tuple(terms)
+        self.prior = prior
+        self.min_points = min_points
+        self.prior_strength = prior_strength
+        self.refit_every = max(1, refit_every)
+        self.max_samples = max_samples
+        self.samples: list[Sample] = []
+        self.model: ThroughputModel | None = prior
+        self.status = "prior" if prior is not None else "no model"
+        self._since = 0
+
+    @property
+    def distinct_configs(self) -> int:
+        return len({_config_key(s.allocation) for s in self.samples})
+
+    def add(self, sample: Sample, refit: bool = True) -> bool:
+        """Record a sample; True when the model was refitted (`refit=False`: the caller refits when it decides)."""
+        if not (sample.samples_per_s > 0 and math.isfinite(sample.samples_per_s)):
+            return False  # a stalled interval (restart, pending) says nothing about throughput
+        self.samples.append(sample)
+        if len(self.samples) > self.max_samples:
+            self.samples = self.samples[-self.max_samples:]
+        self._since += 1
+        if refit and self._since >= self.refit_every:
+            self._since = 0
+            return self.refit()
+        return False
+
+    def refit(self) -> bool:
+        self._since = 0
+        if self.distinct_configs < self.min_points and self.prior is None:
+            self.status = f"too few configurations ({self.distinct_configs} < {self.min_points}) and no prior: no model"
+            return False
+        if self.distinct_configs < self.min_points:
+            # calibrate the prior's level to what we see, keep its shape
+            obs = np.array([s.samples_per_s for s in self.samples])
+            pred = self.prior.predict([s.allocation for s in self.samples])
+            k = float(np.median(pred / obs))
+            self.model = ThroughputModel(self.prior.terms, tuple(c * k for c in self.prior.coef),
+                                         fit_mape=mape(pred / k, obs), n_points=len(obs), meta={"source": "prior scaled"})
+            self.status = f"prior scaled by {1 / k:.3f} ({self.distinct_configs} configuration(s) seen)"
+            return True
+        self.model = fit(self.samples, self.terms, prior=self.prior,
+                         prior_strength=self.prior_strength if self.prior is not None else 0.0)
+        self.status = f"fitted on {len(self.samples)} samples / {self.distinct_configs} configurations"
+        return True
+
+
+# ---------------------------------------------------------------------------------------------
+# profiles measured on our own trainer (bench/profile_trainer.py -> elastic/optimizer/profiles/*.json)
+# ---------------------------------------------------------------------------------------------
+PROFILE_DIR = __import__("pathlib").Path(__file__).with_name("profiles")
+DEFAULT_PROFILE = PROFILE_DIR / "dlrm_criteo_2core.json"
+
+
+def load_profile(path=DEFAULT_PROFILE) -> tuple[list[Sample], dict]:
+    """Median throughput over repetitions per configuration (failed points dropped), and the conditions."""
+    import json
+    import statistics
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"profile not found: {path}")
+    try:
+        doc = json.loads(path.read_text())
+        points = doc["points"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ModelFitError(f"{path}: not a profile ({e!r})") from e
+    host = (doc.get("conditions", {}).get("machine", {}) or {}).get("logical_cpus")
+    by: dict[tuple, list[float]] = {}
+    for p in points:
+        if "samples_per_s" not in p or not p["samples_per_s"]:
+            continue
+        by.setdefault((p["workers"], p["threads_per_worker"], p["batch_size"]), []).append(float(p["samples_per_s"]))
+    samples = [Sample(Allocation(w, float(t), b, host_cores=float(host) if host else None), statistics.median(v),
+                      weight=float(len(v)))
+               for (w, t, b), v in sorted(by.items())]
+    return samples, doc.get("conditions", {})
+
+
+@dataclass
+class ProfileFit:
+    model: ThroughputModel
+    selection: TermSelection
+    train: list[Sample]
+    held_out: list[Sample]
+    held_out_mape: float
+
+    def summary(self) -> dict:
+        return {"terms": list(self.model.terms), "coef": list(self.model.coef), "fit_mape": self.model.fit_mape,
+                "cv_mape": self.selection.cv_mape, "held_out_mape": self.held_out_mape,
+                "held_out": [[s.allocation.workers, s.allocation.cpu_per_worker, s.allocation.batch_size] for s in self.held_out],
+                "n_train": len(self.train), "top_subsets": [[list(t), m] for t, m in self.selection.ranking[:5]]}
+
+
+def fit_profile(samples: Sequence[Sample], *, hold_out_every: int = 3, candidates: Sequence[str] = LOCAL_CANDIDATES,
+                max_terms: int = 4) -> ProfileFit:
+    """Hold out every `hold_out_every`-th configuration (sorted order), choose terms by leave-one-config-out
+    error on the rest, fit them there, and report MAPE on the held-out configurations."""
+    samples = sorted(samples, key=lambda s: _config_key(s.allocation))
+    if hold_out_every < 2:
+        raise ValueError(f"hold_out_every must be >= 2, got {hold_out_every}")
+    held = samples[1::hold_out_every]
+    train = [s for i, s in enumerate(samples) if (i - 1) % hold_out_every != 0]
+    sel = select_terms(train, candidates, max_terms=max_terms)
+    model = fit(train, sel.terms)
+    model.meta = {"source": "profile", "cv_mape": sel.cv_mape}
+    err = mape(model.predict([s.allocation for s in held]), [s.samples_per_s for s in held]) if held else float("nan")
+    model.meta["held_out_mape"] = err
+    return ProfileFit(model, sel, train, held, err)

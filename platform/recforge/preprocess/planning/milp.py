@@ -1,0 +1,156 @@
+"""RAP's layer assignment as a mixed-integer linear program, solved by HiGHS through scipy.optimize.milp.
+
+RAP (utils/MILP_solver.py, Gurobi) maximizes sum_{t,l} n_{t,l}^2 over binary x_{v,l} (node v in layer l) with
+n_{t,l} = sum_{v of type t} x_{v,l}, one layer per node and layer(v) >= layer(parent) + 1. Two exact
+reductions keep the program small enough to solve in well under a second for RAP's plans:
+
+* Identical trees share one assignment. Trees (one per source column and class) with the same shape of op types
+  are copies; give copy i the assignment A_i and the objective is a sum of squares of counts, so for two copies
+  f(A, A) + f(B, B) - 2 f(A, B) = 2 * sum (e_A - e_B)^2 >= 0: moving both copies to the better of A and B never
+  loses. Each distinct tree (a template) is solved once with weight m = its number of copies.
+* The square is linearized exactly. With binaries, (sum_v m_v x_v)^2 = sum_v m_v^2 x_v + 2 sum_{u<v} m_u m_v
+  x_u x_v; each product x_u x_v becomes a variable y <= x_u, y <= x_v (maximizing, so y = min(x_u, x_v) at an
+  optimum; y may stay continuous). Pairs that can never share a layer (one above the other on a chain) are
+  dropped, and every node's layers are limited to [depth, L - 1 - height].
+
+A tie-break of -eps * layer (eps * sum of all layers < 1, below one unit of the integer objective) makes the
+optimum canonical: among the best assignments, the one with the earliest layers.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from recforge.preprocess.planning.graph import OpGraph
+
+
+@dataclass
+class MilpResult:
+    layer_of: dict[int, int]
+    status: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _tree_keys(graph: OpGraph) -> dict[int, tuple]:
+    """A canonical key per node: its type and the sorted keys of its children (equal keys = isomorphic)."""
+    keys: dict[int, tuple] = {}
+    for n in reversed(graph.nodes):  # children come after their parent
+        keys[n.id] = (n.type, tuple(sorted(keys[c] for c in graph.children.get(n.id, []))))
+    return keys
+
+
+def _match(graph: OpGraph, keys: dict[int, tuple], rep: int, copy: int, into: dict[int, int]) -> None:
+    """Map the nodes of tree `copy` onto the isomorphic tree `rep` (children matched in key order)."""
+    into[copy] = rep
+    a = sorted(graph.children.get(rep, []), key=lambda c: keys[c])
+    b = sorted(graph.children.get(copy, []), key=lambda c: keys[c])
+    for r, c in zip(a, b):
+        _match(graph, keys, r, c, into)
+
+
+def _subtree(graph: OpGraph, root: int) -> list[int]:
+    out, todo = [], [root]
+    while todo:
+        n = todo.pop()
+        out.append(n)
+        todo.extend(graph.children.get(n, []))
+    return sorted(out)
+
+
+def layers_milp(graph: OpGraph, num_layers: int, time_limit_s: float = 30.0) -> MilpResult:
+    keys = _tree_keys(graph)
+    templates: dict[tuple, list[int]] = defaultdict(list)
+    for r in graph.roots():
+        templates[keys[r]].append(r)
+    rep_of: dict[int, int] = {}
+    weight: dict[int, int] = {}
+    rep_nodes: list[int] = []
+    for roots in templates.values():
+        members = _subtree(graph, roots[0])
+        rep_nodes += members
+        for v in members:
+            weight[v] = len(roots)
+        for r in roots:
+            _match(graph, keys, roots[0], r, rep_of)
+
+    node = {n.id: n for n in graph.nodes}
+    L = num_layers
+    heights = {v: graph.height(v) for v in rep_nodes}
+    feasible = {v: range(node[v].depth, L - heights[v]) for v in rep_nodes}
+    if any(len(r) == 0 for r in feasible.values()):
+        raise ValueError(f"layers_milp: a chain is longer than the {L} layers")
+
+    col: dict[tuple[int, int], int] = {}
+    for v in rep_nodes:
+        for l in feasible[v]:
+            col[(v, l)] = len(col)
+    n_x = len(col)
+    ancestors: dict[int, set[int]] = {}
+    for v in rep_nodes:  # nodes are in topological order within each subtree
+        p = node[v].parent
+        ancestors[v] = (ancestors[p] | {p}) if p is not None else set()
+    by_type: dict[str, list[int]] = defaultdict(list)
+    for v in rep_nodes:
+        by_type[node[v].type].append(v)
+    pairs: list[tuple[int, int, int]] = []  # (u, v, layer) with a product variable
+    for members in by_type.values():
+        for i, u in enumerate(members):
+            for v in members[i + 1:]:
+                if u in ancestors[v] or v in ancestors[u]:
+                    continue
+                for l in feasible[u]:
+                    if l in feasible[v]:
+                        pairs.append((u, v, l))
+    n_var = n_x + len(pairs)
+
+    total_weight = sum(weight[v] for v in rep_nodes)
+    eps = 1.0 / (total_weight * L + 1)
+    gain = np.zeros(n_var)
+    for (v, l), j in col.items():
+        gain[j] = weight[v] ** 2 - eps * weight[v] * l
+    for k, (u, v, l) in enumerate(pairs):
+        gain[n_x + k] = 2 * weight[u] * weight[v]
+
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def add_row(entries: list[tuple[int, float]], lb: float, ub: float) -> None:
+        r = len(lo)
+        for j, a in entries:
+            rows.append(r)
+            cols.append(j)
+            vals.append(a)
+        lo.append(lb)
+        hi.append(ub)
+
+    for v in rep_nodes:  # one layer per node
+        add_row([(col[(v, l)], 1.0) for l in feasible[v]], 1, 1)
+    for v in rep_nodes:  # after the parent
+        p = node[v].parent
+        if p is not None:
+            add_row([(col[(v, l)], float(l)) for l in feasible[v]] + [(col[(p, l)], -float(l)) for l in feasible[p]],
+                    1, np.inf)
+    for k, (u, v, l) in enumerate(pairs):  # y <= x_u, y <= x_v
+        add_row([(n_x + k, 1.0), (col[(u, l)], -1.0)], -np.inf, 0)
+        add_row([(n_x + k, 1.0), (col[(v, l)], -1.0)], -np.inf, 0)
+
+    a = coo_matrix((vals, (rows, cols)), shape=(len(lo), n_var)).tocsr()
+    integrality = np.concatenate([np.ones(n_x), np.zeros(len(pairs))])
+    res = milp(
+        c=-gain, integrality=integrality, bounds=Bounds(0, 1), constraints=LinearConstraint(a, lo, hi),
+        options={"time_limit": time_limit_s, "mip_rel_gap": 0.0, "presolve": True},
+    )
+    if res.x is None:
+        raise RuntimeError(f"layers_milp: HiGHS found no assignment ({res.message})")
+    rep_layer = {}
+    for v in rep_nodes:
+        rep_layer[v] = max(feasible[v], key=lambda l: res.x[col[(v, l)]])
+    layer_of = {n.id: rep_layer[rep_of[n.id]] for n in graph.nodes}
+    status = "optimal" if res.status == 0 else f"status {res.status}: {res.message}"
+    info = {"templates": len(templates), "variables": n_var, "binaries": n_x, "constraints": len(lo),
+            "num_layers": L, "mip_gap": float(getattr(res, "mip_gap", 0.0) or 0.0)}
+    return MilpResult(layer_of=layer_of, status=status, info=info)

@@ -1,0 +1,1 @@
+"""recforge.rap.planning."""

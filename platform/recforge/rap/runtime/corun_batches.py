@@ -1,0 +1,128 @@
+"""A rank's batches with RAP co-running: raw shard rows in, batch i+1 preprocessed while batch i trains.
+
+`CorunTaskBatches` is TaskBatches (same tasks, rows, padding, done reports, ledger) reading one batch ahead:
+handing out batch i it completes i's preprocessing (launched during step i-1) and launches i+1's, whose
+kernels then wait for step i's stage boundaries (recforge.rap.runtime.corun_runtime). `step_done()` runs in
+`trained()` (the trainer calls it right after the optimizer step): the co-run session closes the step's stages
+there, as the stage profiler does. `step_boundary()` runs first in every `next()` (closing the step there if no
+batch was reported trained) and times the whole iteration, from batch request to batch request.
+
+With gradient accumulation (k micro-batches per step) the trainer asks for all k before the step, so only the
+first one's kernels overlap the previous step's stages; the other k-1 complete at the request (inline).
+
+Reading ahead leases the next task before the last batch of the current one is trained. `progress()`
+therefore reports only the rows handed out to the trainer (not the batch read ahead), and drops a task
+once it is reported done, so a checkpoint's data state never counts rows the model has not seen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from recforge.config import DatasetConfig
+from recforge.preprocess.batch import RawBatch
+from recforge.rap.runtime.corun_runtime import CorunRuntime, Pending
+from recforge.train.batches import Batch, TaskBatches, TaskClient
+
+
+@dataclass
+class CorunBatch(Batch):
+    pending: Pending | None = None
+    progress_after: dict[str, int] | None = None  # the source's progress right after this batch was read
+
+
+class CorunReadAhead:
+    """The co-run behaviour over a batch source (mixed in before it): reads one batch ahead, completes its
+    preprocessing when handing it out, closes the step's stages. The source's `next()` returns CorunBatch with
+    `pending` set (its prepare step launches the kernels); `complete(batch)` fills dense / sparse."""
+
+    def _init_corun(self, runtime: CorunRuntime, step_boundary: Callable[[], None] | None,
+                    step_done: Callable[[], None] | None) -> None:
+        self.runtime = runtime
+        self.step_boundary = step_boundary
+        self.step_done = step_done
+        self._ahead: CorunBatch | None = None
+        self._primed = False
+        self._handed: dict[str, int] = {}
+
+    def complete(self, batch: CorunBatch) -> None:
+        batch.dense, batch.sparse = batch.pending.result()
+
+    def next(self) -> Batch | None:
+        if self.step_boundary is not None:
+            self.step_boundary()
+        if not self._primed:
+            self._primed, self._ahead = True, self._read()
+        batch = self._ahead
+        if batch is None:
+            return None
+        self.complete(batch)
+        batch.pending = None
+        self._handed = {t: r for t, r in batch.progress_after.items()}
+        self._ahead = self._read()  # its kernels wait for the stage boundaries of the step that trains `batch`
+        return batch
+
+    def progress(self) -> dict[str, int]:
+        return dict(self._handed)
+
+    def trained(self, batch: Batch) -> None:
+        if self.step_done is not None:  # the trainer reports batches after its optimizer step: the step ends here
+            self.step_done()
+        super().trained(batch)
+        if batch.last_of_task and batch.task_id is not None:
+            self._handed.pop(batch.task_id, None)
+
+    def close(self) -> None:
+        """Drop the batch read ahead (its task stays leased: the master hands it out again on expiry/restore)."""
+        if self._ahead is not None and self._ahead.pending is not None:
+            self._ahead.pending.results()
+        self._ahead = None
+
+    def _read(self) -> CorunBatch | None:
+        batch = super().next()
+        if batch is not None:
+            batch.progress_after = super().progress()
+        return batch
+
+
+class CorunTaskBatches(CorunReadAhead, TaskBatches):
+    def __init__(
+        self, client: TaskClient, manifest_dir: str | Path, dataset: DatasetConfig, runtime: CorunRuntime,
+        batch_size: int, device: torch.device, ledger=None, step_boundary: Callable[[], None] | None = None,
+        step_done: Callable[[], None] | None = None,
+    ) -> None:
+        TaskBatches.__init__(self, client, manifest_dir, dataset, runtime.executor, batch_size, device, ledger=ledger)
+        self._init_corun(runtime, step_boundary, step_done)
+
+    def prepare(self, raw: RawBatch) -> CorunBatch:
+        padded, weights = raw.pad_to(self.batch_size)
+        return CorunBatch(dense=None, sparse=None, labels=padded.label.to(self.device),
+                          weights=weights.to(self.device), real=raw.rows,
+                          pending=self.runtime.launch(padded))  # the runtime copies it to the device
+
+
+class PreprocessedBatches:
+    """Every batch of `source` read and preprocessed now, before training starts (RAP's "Ideal"), then handed
+    out with the same interface; `trained` passes through, so done reports stay as TaskBatches makes them."""
+
+    def __init__(self, source: TaskBatches) -> None:
+        self.inner, self.batches = source, []
+        while (b := source.next()) is not None:
+            self.batches.append(b)
+        self.batches.reverse()
+
+    @property
+    def tasks_done(self) -> int:
+        return self.inner.tasks_done
+
+    def next(self) -> Batch | None:
+        return self.batches.pop() if self.batches else None
+
+    def trained(self, batch: Batch) -> None:
+        self.inner.trained(batch)
+
+    def progress(self) -> dict[str, int]:
+        return self.inner.progress()

@@ -1,0 +1,1 @@
+"""recforge.recom.columns."""

@@ -1,0 +1,1 @@
+"""recforge.train.recovery."""

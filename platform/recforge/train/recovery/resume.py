@@ -1,0 +1,206 @@
+"""Resumable step checkpoints: model + optimizer (DCP, any world size) + the data state + loop state.
+
+A checkpoint is a directory `step-<step>` holding a torch.distributed.checkpoint (DCP) save of
+{"model": DMP state_dict, "optim": KeyedOptimizer state_dict}, and `recforge_checkpoint.json`
+with the step, the saving generation and world size, the training loop's counters and the job
+master's *data state* at that step (`TaskQueue.snapshot`: DONE tasks, plus the trained prefix of
+every task in flight). Two places hold them:
+
+* disk (`<checkpoint_dir>.steps/step-N`): complete only with `CHECKSUMS.json` (sha256 of every file),
+  written last; the newest `keep` are kept.
+* shared memory (`/dev/shm/recforge-flash-*/step-N`, a flash checkpoint, recforge.train.recovery.flash):
+  complete when every saving rank left its `done-rank<r>` marker.
+
+Restart (`load_latest`, collective): the newest checkpoint that every rank can use and that passes
+its check is loaded (memory before disk at the same step); a corrupt one is skipped with a warning
+naming the problem, falling back to the previous one. DCP reshards on load, so a checkpoint saved at
+one world size (and sharding plan) loads into another. Then rank 0 rolls the master back to the
+checkpoint's data state (no checkpoint: to the start).
+
+Guarantee (documented in docs of recforge.train.ledger too): the final model has been trained on
+every row of every epoch exactly once; rows trained by a failed group after the checkpoint it was
+resumed from (the work in flight at the failure) were trained once more in the lost timeline, and
+the master hands them out again.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from recforge.train.recovery.layout import (
+    DISK, MEMORY, META_FILE, Candidate, candidates, disk_problem, memory_problem, prune, read_meta, step_name,
+    write_checksums,
+)
+from recforge.train.loop import EpochStats, LoopState
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class Restored:
+    path: Path
+    step: int
+    source: str
+    meta: dict[str, Any]
+    skipped: list[tuple[str, str]]  # (path, why) of newer checkpoints that could not be used
+
+
+# ---- loop state ----------------------------------------------------------------------------
+def loop_to_dict(state: LoopState, current: EpochStats | None) -> dict[str, Any]:
+    return {
+        "step": state.step,
+        "last_window_loss": state.last_window_loss,
+        "epochs": [asdict(e) for e in state.epochs],
+        "current": asdict(current) if current is not None else None,
+    }
+
+
+def loop_from_dict(d: dict[str, Any]) -> tuple[LoopState, EpochStats | None]:
+    state = LoopState(step=int(d["step"]), epochs=[EpochStats(**e) for e in d["epochs"]],
+                      last_window_loss=float(d.get("last_window_loss", float("nan"))))
+    cur = d.get("current")
+    return state, (EpochStats(**cur) if cur is not None else None)
+
+
+# ---- save ----------------------------------------------------------------------------------
+def training_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    state = {"model": model.state_dict()}
+    if optimizer is not None:
+        state["optim"] = optimizer.state_dict()
+    return state
+
+
+def save_disk(model: Any, optimizer: Any, root: Path, step: int, *, rank: int, meta: dict[str, Any],
+              keep: int) -> Path:
+    """Collective: a disk step checkpoint written into `step-N.tmp`, checksummed, renamed into place."""
+    root = Path(root)
+    final = root / step_name(step)
+    tmp = root / (step_name(step) + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(training_state(model, optimizer), storage_writer=FileSystemWriter(str(tmp)))
+    dist.barrier()
+    if rank == 0:
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
+        write_checksums(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # a rolled-back timeline may reach the same step again
+        os.replace(tmp, final)
+        prune(root, keep)
+    dist.barrier()
+    return final
+
+
+# ---- load ----------------------------------------------------------------------------------
+def _usable_here(c: Candidate) -> bool:
+    if c.source == MEMORY:
+        return memory_problem(c.path) is None
+    return disk_problem(c.path, deep=False) is None
+
+
+def _load_into(model: Any, optimizer: Any, path: Path) -> list[str]:
+    """Collective DCP load; returns warnings (optimizer state missing after a sharding change)."""
+    warnings: list[str] = []
+    sd = {"model": model.state_dict()}
+    dcp.load(sd, storage_reader=FileSystemReader(str(path)))
+    model.load_state_dict(sd["model"])
+    if optimizer is None:
+        return warnings
+    optimizer.init_state()  # materialize lazy state (Adam moments) so DCP can load into it in place
+    osd = {"optim": optimizer.state_dict()}
+    try:
+        dcp.load(osd, storage_reader=FileSystemReader(str(path)))
+    except Exception as e:  # a table moved between the fused and the plain kernel: its state differs
+        warnings.append(f"optimizer state partly missing in {path.name} ({str(e)[:200]}); missing parts start fresh")
+        osd = {"optim": optimizer.state_dict()}
+        dcp.load(osd, storage_reader=FileSystemReader(str(path)), planner=DefaultLoadPlanner(allow_partial_load=True))
+    optimizer.load_state_dict(osd["optim"])
+    return warnings
+
+
+def load_latest(model: Any, optimizer: Any, *, rank: int, disk_root: Path | None,
+                memory_root: Path | None) -> Restored | None:
+    """Collective: load the newest usable checkpoint into the (sharded) model and optimizer.
+
+    Falls back past checkpoints that are incomplete, corrupt (checksum) or fail to load, logging one
+    warning line each. Returns None when there is none (training starts from the initial weights).
+    Raises RuntimeError when a load failed and no older checkpoint is left (the weights may be
+    partly overwritten: starting from them would be silently wrong)."""
+    mine = {(str(c.path), c.source) for c in candidates(disk_root, memory_root) if _usable_here(c)}
+    world = dist.get_world_size()
+    views: list[Any] = [None] * world
+    dist.all_gather_object(views, mine)
+    usable = set.intersection(*views)
+    skipped: list[tuple[str, str]] = []
+    tried: set[str] = set()
+    load_failed = False
+    while True:
+        choice: list[Any] = [None]
+        if rank == 0:
+            for c in candidates(disk_root, memory_root):
+                if str(c.path) in tried:
+                    continue
+                if (str(c.path), c.source) not in usable:
+                    why = (memory_problem(c.path) if c.source == MEMORY else disk_problem(c.path, deep=False)) \
+                        or "not visible to every rank"
+                    _skip(skipped, c, why)
+                    tried.add(str(c.path))
+                    continue
+                why = disk_problem(c.path) if c.source == DISK else None
+                if why is not None:
+                    _skip(skipped, c, why)
+                    tried.add(str(c.path))
+                    continue
+                choice = [c]
+                break
+        dist.broadcast_object_list(choice, src=0)
+        c = choice[0]
+        if c is None:
+            if load_failed:
+                raise RuntimeError(f"no checkpoint could be loaded (tried {sorted(tried)}); the model may be partly "
+                                   f"overwritten, refusing to train from it")
+            if rank == 0:
+                log.warning("no usable checkpoint in %s or %s: training starts from the initial weights",
+                            disk_root, memory_root)
+            return None
+        tried.add(str(c.path))
+        err = ""
+        t0 = time.perf_counter()
+        try:
+            notes = _load_into(model, optimizer, c.path)
+        except Exception as e:
+            err, notes = f"{type(e).__name__}: {str(e)[:300]}", []
+        flags = [None] * world
+        dist.all_gather_object(flags, err)
+        errors = [f for f in flags if f]
+        if errors:
+            load_failed = True
+            if rank == 0:
+                _skip(skipped, c, f"load failed: {errors[0]}")
+            continue
+        meta: list[Any] = [read_meta(c.path) if rank == 0 else None]
+        dist.broadcast_object_list(meta, src=0)
+        if rank == 0:
+            for n in notes:
+                log.warning("%s", n)
+            log.warning("resuming from %s checkpoint %s (step %d, saved by generation %s at world size %s) in %.2fs",
+                        c.source, c.path, c.step, meta[0].get("generation"), meta[0].get("world_size"),
+                        time.perf_counter() - t0)
+        return Restored(path=c.path, step=c.step, source=c.source, meta=meta[0], skipped=skipped)
+
+
+def _skip(skipped: list[tuple[str, str]], c: Candidate, why: str) -> None:
+    skipped.append((str(c.path), why))
+    log.warning("checkpoint %s (%s, step %d) is unusable: %s; falling back to the previous one",
+                c.path, c.source, c.step, why)
