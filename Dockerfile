@@ -16,7 +16,8 @@
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
-# empty: requirements/torch.txt with the lock's CPU pins; otherwise the torch/fbgemm requirements to install instead
+# empty: the lock's CPU builds of torch and fbgemm (pyproject's `cpu` extra); otherwise the torch/fbgemm requirements
+# to install instead
 ARG TORCH_SPEC=""
 # where the torch builds live (CPU wheels such as torch==2.13.0+cpu are on the PyTorch CPU index, not on PyPI)
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -48,13 +49,15 @@ RUN set -eux; \
 
 WORKDIR /opt/recforge
 
-# Dependencies first (steps 1-3 of scripts/install.sh): this layer is rebuilt only when requirements/ change.
-COPY requirements/ requirements/
+# Dependencies first (steps 1-4 of scripts/install.sh, from pyproject.toml's lists and the lock): this layer is
+# rebuilt only when pyproject.toml, the lock or the script change.
+COPY pyproject.toml pyproject.toml
+COPY requirements/lock.txt requirements/lock.txt
 COPY scripts/install.sh scripts/install.sh
 RUN PYTHON=python3.11 PIP_EXTRA_INDEX_URL="${TORCH_INDEX_URL}" TORCH_SPEC="${TORCH_SPEC}" \
     scripts/install.sh /opt/venv deps
 
-# The checkout (see .dockerignore), then recforge itself (step 4: editable, --no-deps), as `make venv` does.
+# The checkout (see .dockerignore), then recforge itself (step 5: editable, --no-deps), as `make venv` does.
 COPY . .
 RUN PYTHON=python3.11 TORCH_SPEC="${TORCH_SPEC}" scripts/install.sh /opt/venv project
 

@@ -11,23 +11,25 @@ PYTEST_TIMEOUT ?= 900
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: help venv test demo up down status bench clean distclean lock sysdeps
+.PHONY: help venv test lint demo up down status bench clean distclean lock sysdeps
 
 help:
 	@echo "make demo      build the venv if needed, run 'recforge demo'"
-	@echo "make test      build the venv if needed, run the test suite (unit, integration, e2e)"
+	@echo "make test      build the venv if needed, run make lint, then the test suite (unit, integration, e2e)"
+	@echo "make lint      ruff (lint + import sorting) and mypy, configured in pyproject.toml"
 	@echo "make up        start Airflow (http://127.0.0.1:8080) and MLflow (http://127.0.0.1:5000) locally"
 	@echo "make down      stop them;  make status: show them"
 	@echo "make bench     run every bench/bench_*.py (BENCH_ARGS=... passes arguments)"
-	@echo "make venv      (re)install .venv from requirements/ and the lock"
+	@echo "make venv      (re)install .venv from pyproject.toml with the lock as constraints"
 	@echo "make lock      regenerate requirements/lock.txt from .venv"
 	@echo "make sysdeps   install chromium + chromium-driver (root, Debian) for the browser tests"
 	@echo "make clean     remove .recforge/ (runs, stores, logs; keeps .venv);  make distclean: also .venv"
 
-# The venv is a file target: built when missing, reinstalled when the requirements or pyproject change.
+# The venv is a file target: built when missing, reinstalled when pyproject.toml (the requirements), the lock or
+# the install script change.
 venv: $(STAMP)
 
-$(STAMP): $(wildcard requirements/*.txt) pyproject.toml scripts/install.sh
+$(STAMP): pyproject.toml requirements/lock.txt scripts/install.sh
 	PYTHON=$(PYTHON) scripts/install.sh $(VENV) all
 	@touch $@
 
@@ -44,12 +46,17 @@ sysdeps:
 	fi
 
 # pytest exits 5 when it collected nothing: that fails too (it is a nonzero status; said out loud here).
-test: sysdeps $(STAMP)
+test: lint sysdeps $(STAMP)
 	@timeout_arg=""; \
 	if $(PY) -c 'import pytest_timeout' 2>/dev/null; then timeout_arg="--timeout=$(PYTEST_TIMEOUT)"; fi; \
 	rc=0; $(PY) -m pytest -q -p no:cacheprovider $$timeout_arg $(PYTEST_ARGS) tests || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5): failing" >&2; fi; \
 	exit $$rc
+
+# The venv's own ruff and mypy (pinned in requirements/test.txt); settings in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check platform kernels tests bench dags plugins
+	$(VENV)/bin/mypy
 
 demo: $(STAMP)
 	. scripts/env.sh && $(VENV)/bin/recforge demo

@@ -28,7 +28,7 @@ import socket  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
+from datetime import UTC, datetime  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -92,7 +92,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
                 models[name] = shard_model(build_dlrm(model_cfg, tables, len(ds.dense)), train, world_size=world,
                                            device=torch.device("cpu"))
 
-            def run(sm, steps):
+            def run(sm, steps, batches=batches, global_weight=global_weight):  # this iteration's data
                 for k in range(steps):
                     dense, kjt, labels, w = batches[k % len(batches)]
                     loss, _ = step_loss(sm.model(dense, kjt), labels, w, global_weight, world)
@@ -157,13 +157,14 @@ def main() -> None:
 
     print(f"DLRM criteo_kaggle tables, dim 16, batch {args.batch_size}/rank, world size {args.world_size}, "
           f"{args.threads} thread(s)/rank, median of {args.repeats} x {args.steps} steps")
-    print(f"{'table cap':>10} {'emb MiB':>8} {'fused_tbe ms':>13} {'plain_ebc ms':>13} {'plain/fused':>12} {'fused samples/s':>16}")
+    print(f"{'table cap':>10} {'emb MiB':>8} {'fused_tbe ms':>13} {'plain_ebc ms':>13} {'plain/fused':>12} "
+          f"{'fused samples/s':>16}")
     for r in results:
         m = r["median_step_s"]
-        print(f"{r['table_cap']:>10} {r['embedding_mbytes']:>8.0f} {m['fused_tbe'] * 1e3:>13.2f} {m['plain_ebc'] * 1e3:>13.2f} "
-              f"{r['plain_over_fused']:>11.2f}x {r['samples_per_s']['fused_tbe']:>16.0f}")
+        print(f"{r['table_cap']:>10} {r['embedding_mbytes']:>8.0f} {m['fused_tbe'] * 1e3:>13.2f} "
+              f"{m['plain_ebc'] * 1e3:>13.2f} {r['plain_over_fused']:>11.2f}x {r['samples_per_s']['fused_tbe']:>16.0f}")
     record = {
-        "bench": "embeddings", "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "bench": "embeddings", "when": datetime.now(UTC).isoformat(timespec="seconds"),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "host": {"machine": py_platform.machine(), "cpus": os.cpu_count(), "python": py_platform.python_version()},
         "versions": {"torch": torch.__version__, "torchrec": torchrec.__version__,

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 
-for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS"):
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+             "VECLIB_MAXIMUM_THREADS"):
     os.environ[_var] = "1"
 
 import argparse  # noqa: E402
@@ -24,7 +25,7 @@ import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
+from datetime import UTC, datetime  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -156,10 +157,11 @@ def main() -> None:
         print()
         for k, v in ratios.items():
             print(f"{k:44s} {v:6.2f}x")
-        print(f"\nday file: {size_mb:.1f} MB, positive rate {rep.positive_rate[0]:.3f}, bayes AUC {rep.bayes_auc[0]:.4f}")
+        print(f"\nday file: {size_mb:.1f} MB, positive rate {rep.positive_rate[0]:.3f}, "
+              f"bayes AUC {rep.bayes_auc[0]:.4f}")
 
         RESULTS.mkdir(parents=True, exist_ok=True)
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         out = RESULTS / f"bench_generator_{stamp}.json"
         out.write_text(json.dumps({
             "bench": "bench_generator", "time_utc": stamp, "dataset": dataset.name, "rows": args.rows,

@@ -36,23 +36,24 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
-from recforge.preprocess.planning.compiler import compile_plan
+from _results import write_report  # bench/_results.py (bench/ is the script's directory)
 from recforge.preprocess.executor import make_executor
 from recforge.preprocess.executors.dali import dali_available
 from recforge.preprocess.module import PreprocessModule
-from recforge.preprocess.semantics.ops import logit_bounds
+from recforge.preprocess.planning.compiler import compile_plan
 from recforge.preprocess.presets import load_plan, preset_dataset
+from recforge.preprocess.semantics.ops import logit_bounds
 from recforge.preprocess.synth import random_raw_batch
 from recforge_kernels import cpu_ext
 from recforge_kernels import fused as fused_kernels
-from _results import write_report  # bench/_results.py (bench/ is the script's directory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("eager", "stacked", "fused", "fused_groups", "fused_torch", "dali", "compiled", "compiled_steps", "pandas")
@@ -205,9 +206,10 @@ def pandas_pipeline(plan, dataset) -> Callable:
                 elif spec.op == "cast":
                     s = s.astype(np.float32) if p["to"] == "float" else s.fillna(0).astype(np.int64)
                 elif spec.op == "onehot":
-                    step = (np.float32(p["hi"]) - np.float32(p["lo"])) / np.float32(p["C"])
+                    lo = np.float32(p["lo"])
+                    step = (np.float32(p["hi"]) - lo) / np.float32(p["C"])
 
-                    def onehot(v, lo=np.float32(p["lo"]), C=p["C"], step=step):
+                    def onehot(v, lo=lo, C=p["C"], step=step):
                         v = v[0] if isinstance(v, list) else v
                         q = (np.float32(v) - lo) / step
                         i = int(q) if 0 <= q < C else 0
@@ -354,7 +356,7 @@ def bench_plan(name: str, args, limits: dict[str, float]) -> dict[str, Any]:
             result["variants"][v] = {"median_s": c["median_s"], "rows_per_s": args.batch / c["median_s"],
                                      "rounds": args.rounds, "rows": args.batch, "compile_s": c["compile_s"]}
     eager = result["variants"].get("eager", {}).get("rows_per_s")
-    for v, r in result["variants"].items():
+    for r in result["variants"].values():
         r["vs_eager"] = r["rows_per_s"] / eager if eager else None
     f = result["variants"].get("fused")
     if f:

@@ -6,7 +6,7 @@ profile, and the mapping MILP (solve time, imbalance before / after).
 1. cost model: measures the fused executor (recforge.rap.profiling.cost_probe) over ops x fusion degree x rows x width,
    fits, prints the share of held-out predictions within 10% (overall and per op).
 2. simulator: plan 0, 4 GPUs, local batch 4096, GPU 0 stages 0.93 1.92 2.86 0.99 1.37 ms, capacities 24 28 52 30
-   64 proxy units (RAP.md §3.3), the artifact's table placement; kernel costs scaled to RAP.md's 0.49 ms for GPU 0;
+   64 proxy units (docs/rap.md), the artifact's table placement; kernel costs scaled to its 0.49 ms for GPU 0;
    prints every method's iteration time and where RAP placed the work; writes the Gantt PNG.
 3. mapping: plan 0 tables (Criteo Kaggle cardinalities, dim 128) on 4 and 8 ranks; before = the artifact's placement
    (4 ranks) or round robin (8); after = the MILP; with the artifact's capacity, a tenth and a fiftieth of it.
@@ -37,7 +37,7 @@ UNITS = dict(zip(STAGES, [24, 28, 52, 30, 64]))
 TABLE_MAPPING_4 = [1, 1, 3, 2, 2, 2, 3, 1, 1, 3, 1, 3, 0, 0, 1, 3, 1, 2, 3, 0, 0, 2, 2, 0, 0, 2, 0]
 ARTIFACT_LIKE = cost_model.CostModel({op: [0.02, 0.0, 8.5e-7, 0.0, 0.0]
                                       for op in ("fill_null", "logit", "sigrid_hash", "firstx", "bucketize")})
-UNIT_MS = 1.35 * STAGE_MS["allreduce"] / UNITS["allreduce"]  # RAP.md: grad_comm C/tau 1.2-1.5
+UNIT_MS = 1.35 * STAGE_MS["allreduce"] / UNITS["allreduce"]  # docs/rap.md: grad_comm C/tau 1.2-1.5
 
 
 def bench_cost_model(threads: int, repeats: int) -> dict:

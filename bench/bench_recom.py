@@ -147,7 +147,7 @@ def bench_config(n: int, args) -> dict:
                 stats[name] = {"p50_ms": statistics.median(s), "p99_ms": percentile(s, 0.99), "mean_ms": mean,
                                "throughput_per_s": b / mean * 1e3}
             base = stats.get("eager", {}).get("p50_ms")
-            for name, st in stats.items():
+            for st in stats.values():
                 st["speedup_p50_vs_eager"] = base / st["p50_ms"] if base else None
             rows.append({"batch_size": b, "stats": stats, "max_abs_diff_vs_eager": diffs, "over_atol": bad})
             print(f"[{n} cols / {part}] B={b:5d} " + "  ".join(
@@ -186,7 +186,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown variants / parts: {sorted(unknown)}; variants: {VARIANTS}, parts: layer, model")
     torch.set_num_threads(args.threads)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     out_path = args.out or RESULTS / f"bench_recom_{stamp}.json"
     report = {
         "bench": "recom", "torch": torch.__version__, "threads": args.threads,

@@ -11,7 +11,8 @@ from its environment) twice a second; the peak and the RSS-vs-time slope go into
     python bench/profile_trainer.py --out platform/recforge/elastic/optimizer/profiles/dlrm_criteo_2core.json
 
 The output (JSON) is rewritten atomically after every point, so an interrupted run keeps what it measured;
-`--resume` skips the (config, repetition) pairs already in the file.
+`--resume` skips the (config, repetition) pairs already in the file. It holds measurements only: a point that
+failed is reported on the console (with its error) and left out, so `--resume` measures it again.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class RssSampler(threading.Thread):
             for p in psutil.process_iter(["pid", "cmdline"]):
                 try:
                     cmd = p.info["cmdline"] or []
-                    if "recforge.worker.main" not in cmd or not any(self.marker in c for c in cmd):
+                    if "recforge.worker" not in cmd or not any(self.marker in c for c in cmd):
                         continue
                     rank = self._ranks.get(p.pid)
                     if rank is None:
@@ -206,7 +207,6 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpu_model": _cpu_model(), "logical_cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
                     "python": platform.python_version(), "torch": __import__("torch").__version__,
                     "torchrec": __import__("torchrec").__version__},
-        "shared_machine": "other engineers' jobs ran at the same time; see loadavg_before/after per point",
         "dataset": "criteo_kaggle preset, generated (recforge.data.generate_days), ingested in shards of "
                    f"{ROWS_PER_SHARD} rows",
         "table_cap": args.table_cap, "model": "ModelConfig() defaults (dlrm, embedding_dim 16)",
@@ -240,19 +240,18 @@ def main(argv: list[str] | None = None) -> int:
                 tag = f"w{key[0]}t{key[1]}b{key[2]}r{rep}"
                 try:
                     point = run_point(root, ds, manifest, root / "plan.json", plan.tables(), cfg, rows, tag)
-                except Exception as e:  # keep profiling the others; the failure is recorded
-                    point = {**cfg, "error": repr(e)[:2000]}
+                except Exception as e:  # keep profiling the others; the failure goes to the console, not the file
+                    print(f"{tag}: failed: {e!r}", flush=True)
+                    continue
                 point["rep"] = rep
                 doc["points"].append(point)
-                if "samples_per_s" in point:
-                    rates[key] = point["samples_per_s"]
+                rates[key] = point["samples_per_s"]
                 tmp = args.out.with_suffix(".tmp")
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 tmp.write_text(json.dumps(doc, indent=1))
                 os.replace(tmp, args.out)
-                print(f"{tag}: {point.get('samples_per_s', float('nan')):,.0f} samples/s, "
-                      f"train {point.get('train_wall_s', float('nan')):.1f}s, job {point.get('job_wall_s', float('nan')):.1f}s, "
-                      f"load {point.get('loadavg_before', float('nan')):.1f} {point.get('error', '')}", flush=True)
+                print(f"{tag}: {point['samples_per_s']:,.0f} samples/s, train {point['train_wall_s']:.1f}s, "
+                      f"job {point['job_wall_s']:.1f}s, load {point['loadavg_before']:.1f}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
@@ -286,7 +285,7 @@ def report_fit(path: Path) -> int:
         import matplotlib
 
         matplotlib.use("Agg")
-        from recforge.tracking.resource_models import predicted_vs_measured_figure
+        from recforge.elastic.optimizer.resource_store import predicted_vs_measured_figure
 
         fig = predicted_vs_measured_figure(res.model, res.train, res.held_out, f"{path.stem}: {res.model.describe()}")
         target = Path(__file__).resolve().parent / "results" / f"{path.stem}_predicted_vs_measured.png"

@@ -5,6 +5,8 @@ libraries (torch, torchrec, mlflow) inside the task, so parsing this file stays 
 """
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pendulum
 from airflow.sdk import Param, dag, get_current_context, task
 
@@ -34,7 +36,7 @@ def _stage(name: str):
 )
 def recforge_daily():
     stages = [_stage(n) for n in ("generate", "ingest", "plan_resources", "train", "evaluate", "compile", "publish")]
-    for upstream, downstream in zip(stages, stages[1:]):
+    for upstream, downstream in pairwise(stages):
         upstream >> downstream
 
 

@@ -7,20 +7,17 @@ after an OOM kill), rescales, and deletes them at the end; the pods are owned by
 JOB_JSON is a recforge.elastic.job_main.TrainingJob document on the shared volume (worker spec,
 data manifest, resources with backend "kubernetes", state directory).
 
-Wiring only: the operator and the Kubernetes models are the provider's; nothing heavy is imported.
+The pod is `recforge.elastic.backends.k8s_manifests.master_pod` (the one that infra/jobs/job-master-pod-template.yaml
+is generated from), built by recforge.pipelines.k8s_job with the Params as Jinja values and handed to the operator
+as its pod template. Wiring only: nothing heavy is imported.
 """
 from __future__ import annotations
 
 import pendulum
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.sdk import Param, dag
-from kubernetes.client import models as k8s
 
-DATA_MOUNT = "/var/lib/recforge"
-
-
-def _field(name: str, path: str) -> k8s.V1EnvVar:
-    return k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path=path)))
+from recforge.pipelines.k8s_job import DATA_MOUNT, job_master_pod, pod_operator_kwargs
 
 
 @dag(
@@ -41,34 +38,16 @@ def _field(name: str, path: str) -> k8s.V1EnvVar:
     doc_md=__doc__,
 )
 def recforge_train_k8s():
-    KubernetesPodOperator(
-        task_id="job_master",
-        name="recforge-job-master",
+    pod = job_master_pod(
         namespace="{{ params.namespace }}",
         image="{{ params.image }}",
-        cmds=["python", "-m", "recforge.elastic.job_main"],
-        arguments=["{{ params.job_json }}"],
-        service_account_name="recforge-job-master",
-        labels={"app.kubernetes.io/name": "recforge-job-master", "app.kubernetes.io/part-of": "recforge"},
-        env_vars=[
-            _field("POD_NAME", "metadata.name"),
-            _field("POD_UID", "metadata.uid"),
-            _field("POD_IP", "status.podIP"),
-            _field("POD_NAMESPACE", "metadata.namespace"),
-            k8s.V1EnvVar(name="RECFORGE_IMAGE", value="{{ params.image }}"),
-            k8s.V1EnvVar(name="RECFORGE_WORKER_MEMORY", value="{{ params.worker_memory }}"),
-            k8s.V1EnvVar(name="RECFORGE_WORKER_GPUS", value="{{ params.worker_gpus }}"),
-            k8s.V1EnvVar(name="RECFORGE_HOME", value=DATA_MOUNT),
-            k8s.V1EnvVar(name="RECFORGE_MASTER_PORT", value="8470"),
-            k8s.V1EnvVar(name="MLFLOW_TRACKING_URI", value="http://recforge-mlflow:5000"),
-        ],
-        ports=[k8s.V1ContainerPort(name="http", container_port=8470)],
-        volumes=[k8s.V1Volume(name="data", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
-            claim_name="recforge-data"))],
-        volume_mounts=[k8s.V1VolumeMount(name="data", mount_path=DATA_MOUNT)],
-        container_resources=k8s.V1ResourceRequirements(requests={"cpu": "1", "memory": "2Gi"},
-                                                       limits={"memory": "2Gi"}),
-        security_context=k8s.V1PodSecurityContext(run_as_user=50000, run_as_group=0, run_as_non_root=True, fs_group=0),
+        job_json="{{ params.job_json }}",
+        worker_memory="{{ params.worker_memory }}",
+        worker_gpus="{{ params.worker_gpus }}",
+    )
+    KubernetesPodOperator(
+        task_id="job_master",
+        **pod_operator_kwargs(pod),
         get_logs=True,
         do_xcom_push=True,
         on_finish_action="delete_pod",

@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # Build recforge's Python environment in a virtualenv. The Makefile and the Dockerfile both call this,
-# so a laptop and an image install the same things in the same order from the same lock:
-#   1. pip itself, pinned by requirements/lock.txt
-#   2. torch.txt + base.txt + test.txt, constrained by the lock
-#   3. nodeps.txt (torchrec) with --no-deps: its declared dependency is the CUDA fbgemm-gpu
-#   4. emulator.txt (kmock, the Kubernetes API emulator the k8s tests start) into VENV/kmock-emulator, outside site-packages
+# so a laptop and an image install the same things in the same order from the same lock. What to install is
+# pyproject.toml's (the one list of direct requirements); requirements/lock.txt pins every version:
+#   1. pip itself, pinned by the lock
+#   2. [project] dependencies + the `test` extra + the `cpu` extra (fbgemm-gpu-cpu), constrained by the lock
+#   3. [tool.recforge.install] no-deps (torchrec) with --no-deps: its declared dependency is the CUDA fbgemm-gpu
+#   4. [tool.recforge.install] emulator (kmock, the Kubernetes API emulator the k8s tests start) into
+#      VENV/kmock-emulator, outside site-packages
 #   5. recforge itself, editable, --no-deps
+# Steps 1-4 read only pyproject.toml and the lock (no source tree), so the Dockerfile caches them as one layer.
 # usage: scripts/install.sh VENV [deps|project|all]      (deps = steps 1-4, project = step 5)
 # env:   PYTHON       interpreter that creates the venv (default python3; must be 3.11)
-#        TORCH_SPEC   replaces requirements/torch.txt, e.g. "torch==2.13.0 fbgemm-gpu==1.8.0" for CUDA builds;
-#                     the lock's torch / fbgemm pins are then dropped and CUDA packages are allowed.
-#                     Point pip at the matching index with PIP_EXTRA_INDEX_URL.
+#        TORCH_SPEC   torch / fbgemm requirements instead of the lock's CPU builds (and no `cpu` extra), e.g.
+#                     "torch==2.13.0 fbgemm-gpu==1.8.0" for CUDA builds; the lock's torch / fbgemm pins are then
+#                     dropped and CUDA packages are allowed. Point pip at the matching index with PIP_EXTRA_INDEX_URL.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${1:?usage: scripts/install.sh VENV [deps|project|all]}
 PHASE=${2:-all}
-REQ=$ROOT/requirements
-LOCK=$REQ/lock.txt
+LOCK=$ROOT/requirements/lock.txt
+PYPROJECT=$ROOT/pyproject.toml
 TORCH_SPEC=${TORCH_SPEC:-}
 
 say() { printf '[install] %s\n' "$*"; }
@@ -39,21 +42,46 @@ pip_install() {
     "${PIP[@]}" install "$@" 2>&1 | { grep -v --line-buffered 'is neither a file nor a directory' || true; }
 }
 
+# pyproject.toml's lists, one requirement a line: `dependencies`, `extra:NAME` ([project.optional-dependencies])
+# or `install:KEY` ([tool.recforge.install]).
+pyproject_list() {
+    "$PY" - "$PYPROJECT" "$@" <<'EOF'
+import sys
+import tomllib
+
+with open(sys.argv[1], "rb") as f:
+    doc = tomllib.load(f)
+for name in sys.argv[2:]:
+    kind, _, key = name.partition(":")
+    if kind == "dependencies":
+        reqs = doc["project"]["dependencies"]
+    elif kind == "extra":
+        reqs = doc["project"]["optional-dependencies"][key]
+    else:
+        reqs = doc["tool"]["recforge"]["install"][key]
+    print("\n".join(reqs))
+EOF
+}
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 constraints=$LOCK
-torch_args=(-r "$REQ/torch.txt")
+lists=(dependencies extra:test extra:cpu)
+torch_args=()
 if [[ -n $TORCH_SPEC ]]; then
     # The lock pins CPU builds; a custom torch needs the lock without its torch / fbgemm lines.
-    constraints=$(mktemp)
-    trap 'rm -f "$constraints"' EXIT
+    constraints=$work/constraints.txt
     grep -viE '^(torch|fbgemm[-_]gpu[-_a-z]*)==' "$LOCK" >"$constraints"
+    lists=(dependencies extra:test)
     read -r -a torch_args <<<"$TORCH_SPEC"
 fi
 
 if [[ $PHASE != project ]]; then
     say "1/5 pip"
     pip_install --quiet --upgrade pip -c "$constraints"
-    say "2/5 requirements (constrained by $(basename "$LOCK"))"
-    pip_install "${torch_args[@]}" -r "$REQ/base.txt" -r "$REQ/test.txt" -c "$constraints"
+    say "2/5 requirements: pyproject.toml ${lists[*]} (constrained by $(basename "$LOCK"))"
+    pyproject_list "${lists[@]}" >"$work/requirements.txt"
+    pip_install "${torch_args[@]}" -r "$work/requirements.txt" -c "$constraints"
     if [[ -z $TORCH_SPEC ]] && "${PIP[@]}" show --quiet fbgemm-gpu >/dev/null 2>&1; then
         # An earlier install without --no-deps let torchrec pull the CUDA fbgemm-gpu over fbgemm-gpu-cpu
         # (both own the fbgemm_gpu/ directory): remove it and restore the CPU build's files.
@@ -62,9 +90,11 @@ if [[ $PHASE != project ]]; then
         pip_install --force-reinstall --no-deps fbgemm-gpu-cpu -c "$constraints"
     fi
     say "3/5 torchrec (--no-deps)"
-    pip_install --no-deps -r "$REQ/nodeps.txt" -c "$constraints"
+    pyproject_list install:no-deps >"$work/nodeps.txt"
+    pip_install --no-deps -r "$work/nodeps.txt" -c "$constraints"
     say "4/5 Kubernetes emulator for tests (--target $VENV/kmock-emulator)"
-    pip_install --quiet --no-deps --upgrade --target "$VENV/kmock-emulator" -r "$REQ/emulator.txt"
+    pyproject_list install:emulator >"$work/emulator.txt"
+    pip_install --quiet --no-deps --upgrade --target "$VENV/kmock-emulator" -r "$work/emulator.txt"
 fi
 
 if [[ $PHASE != deps ]]; then

@@ -1,10 +1,5 @@
-import os
-from pathlib import Path
-
+"""Shared fixtures. Test data lives in tests/data/ (see its README.md)."""
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
 
 
 @pytest.fixture

@@ -2,8 +2,9 @@
 
 Why C++: the same ops as vectorized torch pay one pass over memory (and an allocation) per arithmetic step, and
 the 64-bit hash is ~25 steps; bench/bench_preprocess.py measures the difference. The build is cached under
-$RECFORGE_KERNELS_CACHE, else ~/.cache/recforge/torch_extensions (see cache_dir), in a folder named after a hash of the source, the flags, the torch version and this CPU's model and flags (the code is
-built with -march=native, so a cache must not travel to another CPU). Set RECFORGE_NO_CPP=1 to skip it: the
+$RECFORGE_KERNELS_CACHE, else ~/.cache/recforge/torch_extensions (see cache_dir; the embedding op's build shares
+it), in a folder named after a hash of the source, the flags, the torch version and this CPU's model and flags
+(the code is built with -march=native, so a cache must not travel to another CPU). Set RECFORGE_NO_CPP=1 to skip it: the
 fused ops then run their torch fallback. Build failures are logged once and fall back the same way.
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
+    """This CPU's model and flags, for build keys (the kernels are built with -march=native)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
         lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
@@ -50,7 +52,7 @@ def cache_dir() -> Path:
 def build_name() -> str:
     h = hashlib.sha256()
     for part in (SOURCE.read_bytes(), *(hdr.read_bytes() for hdr in HEADERS), " ".join(FLAGS).encode(),
-                 torch.__version__.encode(), _cpu_signature().encode()):
+                 torch.__version__.encode(), cpu_signature().encode()):
         h.update(part)
     return f"recforge_fused_cpu_{h.hexdigest()[:16]}"
 
@@ -64,7 +66,7 @@ def load(verbose: bool = False) -> bool:
             _state["ok"], _state["why"] = False, "RECFORGE_NO_CPP=1"
             return False
         try:
-            from torch.utils.cpp_extension import load as load_ext
+            from torch.utils.cpp_extension import load as load_ext  # lazy: the C++ toolchain glue, only on a build
 
             name = build_name()
             build = cache_dir() / name

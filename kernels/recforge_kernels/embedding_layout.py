@@ -46,10 +46,9 @@ INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
 
 
-def cpp_defines() -> str:
-    """The same constants as C/C++ #defines, for the kernel source."""
-    lines = [f"#define META_WIDTH {META_WIDTH}", f"#define STEP_BASE {STEP_BASE}", f"#define MAX_STEPS {MAX_STEPS}",
-             f"#define STEP_WIDTH {STEP_WIDTH}"]
-    lines += [f"#define M_{name.upper()} {i}" for i, name in enumerate(META_FIELDS)]
-    lines += [f"#define OP_{name.upper()} {i}" for i, name in enumerate(OP_NAMES)]
-    return "\n".join(lines) + "\n"
+def cpp_macros() -> dict[str, int]:
+    """The same constants as C++ macros (name -> value) for csrc/embedding_cpu.cpp, passed as -D flags."""
+    macros = {"META_WIDTH": META_WIDTH, "STEP_BASE": STEP_BASE, "MAX_STEPS": MAX_STEPS, "STEP_WIDTH": STEP_WIDTH}
+    macros.update({f"M_{name.upper()}": i for i, name in enumerate(META_FIELDS)})
+    macros.update({f"OP_{name.upper()}": i for i, name in enumerate(OP_NAMES)})
+    return macros

@@ -47,7 +47,7 @@ def _load_then_call(inputs, weights, fbuf, ibuf, meta, batch, total_dim):
     if weights.device.type != "cpu":
         raise NotImplementedError(f"recforge::embedding_layer has no kernel for {weights.device.type} here "
                                   "(the CUDA kernel needs triton)")
-    from recforge_kernels.embedding_cpu import module
+    from recforge_kernels.embedding_cpu import module  # lazy: builds / loads C++ only when the CPU kernel runs
 
     _check(weights, meta)
     module()  # loading the extension registers the CPU kernel, which wins over this one from now on
@@ -66,14 +66,14 @@ def embedding_layer(inputs: list[Tensor], weights: Tensor, fbuf: Tensor, ibuf: T
 
 def workspace_elements(inputs: list[Tensor], meta: Tensor, batch: int) -> int:
     """Elements of the one int64 workspace the CPU kernel lays out for these inputs."""
-    from recforge_kernels.embedding_cpu import module
+    from recforge_kernels.embedding_cpu import module  # lazy: builds / loads C++ only when the CPU kernel runs
 
     return int(module().workspace_elems(inputs, meta, batch))
 
 
 def _register_cuda() -> bool:
     try:
-        from recforge_kernels.embedding_triton import embedding_layer_cuda
+        from recforge_kernels.embedding_triton import embedding_layer_cuda  # lazy: triton is optional
     except ImportError:  # no triton: the op has no CUDA kernel here
         return False
     _lib.impl("embedding_layer", embedding_layer_cuda, "CUDA")

@@ -16,7 +16,7 @@ table either: an id outside it gives a zero row.
 
 The CPU kernel and the plain-torch reference define the semantics. ``tests/unit/test_recom_triton_interpret.py``
 runs this kernel on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1, triton 3.7.1) against the
-reference, and compiles it for sm_90 down to a cubin (Triton's bundled ptxas needs no GPU). Not yet run on a GPU.
+reference, and compiles it for sm_90 down to a cubin (Triton's bundled ptxas needs no GPU); docs/known_limits.md.
 """
 from __future__ import annotations
 

@@ -268,7 +268,7 @@ def _cuda(name: str) -> Callable | None:
     global _CUDA
     if _CUDA is None:
         try:
-            from recforge_kernels import triton_fused
+            from recforge_kernels import triton_fused  # lazy: triton is optional, imported on first CUDA call
 
             _CUDA = dict(triton_fused.KERNELS)
         except ImportError:

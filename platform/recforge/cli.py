@@ -2,19 +2,24 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from recforge.config import PipelineConfig, dataset_preset, load_config
+from recforge.demo import how_to_open, run_demo
 from recforge.elastic.simulate.cli import app as simulate_app
+from recforge.pipelines.context import RunContext
+from recforge.pipelines.runner import STAGE_FUNCTIONS, STAGES
+from recforge.pipelines.summary import summarize
+from recforge.preprocess.presets import load_plan
+from recforge.settings import repo_root
 
 app = typer.Typer(help="recforge: train and serve deep learning recommendation models", no_args_is_help=True)
 data_app = typer.Typer(help="raw day files: generate and validate", no_args_is_help=True)
@@ -23,9 +28,7 @@ app.add_typer(simulate_app, name="simulate")
 console = Console()
 
 
-def _pipeline_config(config: Optional[Path], overrides: dict):
-    from recforge.config import PipelineConfig, load_config
-
+def _pipeline_config(config: Path | None, overrides: dict):
     base = load_config(config).model_dump() if config else {}
     base.update({k: v for k, v in overrides.items() if v is not None})
     return PipelineConfig.model_validate(base)
@@ -37,8 +40,7 @@ def data_generate(
     preset: str = "criteo_kaggle", days: int = 2, rows: int = 100_000, seed: int = 0, gzip: bool = False,
 ):
     """Synthetic Criteo-format day files with a known AUC ceiling."""
-    from recforge.config import dataset_preset
-    from recforge.data.generator import generate_days
+    from recforge.data.generator import generate_days  # lazy: pyarrow; the other commands start without it
 
     with console.status(f"generating {days} x {rows:,} rows"):
         t = time.perf_counter()
@@ -55,8 +57,7 @@ def data_validate(
     preset: str = "criteo_kaggle", rows_per_shard: int = 50_000, max_bad_fraction: float = 0.01,
 ):
     """Validate raw day files into Parquet shards; bad rows go to quarantine.jsonl."""
-    from recforge.config import dataset_preset
-    from recforge.data.ingest import ingest
+    from recforge.data.ingest import ingest  # lazy: pyarrow; the other commands start without it
 
     manifest = ingest(list(sources), dataset_preset(preset), out, rows_per_shard=rows_per_shard,
                       max_bad_fraction=max_bad_fraction, progress=True)
@@ -73,11 +74,10 @@ def preprocess(
     table_cap: int = 100_000, batch_size: int = 8192,
 ):
     """Run a preprocessing plan over a manifest with the named executor and report throughput."""
-    from recforge.data.manifest import Manifest
-    from recforge.data.shards import read_rows
-    from recforge.preprocess.batch import RawBatch
-    from recforge.preprocess.executor import EXECUTORS, make_executor
-    from recforge.preprocess.presets import load_plan
+    from recforge.data.manifest import Manifest  # lazy: pyarrow; the other commands start without it
+    from recforge.data.shards import read_rows  # lazy: pyarrow
+    from recforge.preprocess.batch import RawBatch  # lazy: torch; the other commands start without it
+    from recforge.preprocess.executor import EXECUTORS, make_executor  # lazy: torch, torchrec
 
     if executor not in EXECUTORS:
         raise typer.BadParameter(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
@@ -98,15 +98,11 @@ def preprocess(
                   f"({len(the_plan.dense_features())} dense, {len(the_plan.tables())} sparse features)")
 
 
-def _context(run_key: str, config: Optional[Path], **overrides):
-    from recforge.pipelines.context import RunContext
-
+def _context(run_key: str, config: Path | None, **overrides):
     return RunContext.create(run_key, _pipeline_config(config, overrides))
 
 
 def _run_stages(ctx, names: list[str]):
-    from recforge.pipelines.runner import STAGE_FUNCTIONS
-
     outputs = {}
     with _progress() as bar:
         task = bar.add_task("pipeline", total=len(names))
@@ -118,15 +114,13 @@ def _run_stages(ctx, names: list[str]):
 
 
 def _missing_stages(ctx, upto: str) -> list[str]:
-    from recforge.pipelines.runner import STAGES
-
     needed = STAGES[: STAGES.index(upto) + 1]
     return [s for s in needed if s == upto or not (ctx.stage_dir(s) / "outputs.json").exists()]
 
 
 @app.command()
-def train(run_key: str = "cli", config: Optional[Path] = None, workers: Optional[int] = None,
-          epochs: Optional[int] = None, rows_per_day: Optional[int] = None):
+def train(run_key: str = "cli", config: Path | None = None, workers: int | None = None,
+          epochs: int | None = None, rows_per_day: int | None = None):
     """Train (running the data stages first where this run key has none)."""
     overrides = {"rows_per_day": rows_per_day}
     ctx = _context(run_key, config, **overrides)
@@ -135,24 +129,21 @@ def train(run_key: str = "cli", config: Optional[Path] = None, workers: Optional
     if epochs is not None:
         ctx.config.train.epochs = epochs
     out = _run_stages(ctx, _missing_stages(ctx, "evaluate"))
-    console.print_json(json.dumps({k: out[k] for k in ("train", "evaluate") if k in out}, default=str))
+    console.print_json(json.dumps({k: out[k].model_dump(mode="json") for k in ("train", "evaluate") if k in out}))
 
 
 @app.command("compile")
-def compile_cmd(run_key: str = "cli", config: Optional[Path] = None):
+def compile_cmd(run_key: str = "cli", config: Path | None = None):
     """Compile a trained run's model for inference and compare it with eager."""
     ctx = _context(run_key, config)
     out = _run_stages(ctx, _missing_stages(ctx, "compile"))
-    console.print_json(json.dumps(out["compile"]["report"], default=str))
+    console.print_json(out["compile"].report.model_dump_json())
 
 
 @app.command()
-def run(run_key: str = typer.Option(None, help="default: local__<timestamp>"), config: Optional[Path] = None,
-        rows_per_day: Optional[int] = None):
+def run(run_key: str = typer.Option(None, help="default: local__<timestamp>"), config: Path | None = None,
+        rows_per_day: int | None = None):
     """Run the whole daily pipeline in this process, without Airflow."""
-    from recforge.pipelines.runner import STAGES
-    from recforge.pipelines.summary import summarize
-
     ctx = _context(run_key or time.strftime("local__%Y%m%dT%H%M%S"), config, rows_per_day=rows_per_day)
     _run_stages(ctx, STAGES)
     _print_summary(summarize(ctx))
@@ -161,30 +152,20 @@ def run(run_key: str = typer.Option(None, help="default: local__<timestamp>"), c
 @app.command()
 def summary(run_key: str):
     """Print the summary of a finished pipeline run."""
-    from recforge.config import PipelineConfig
-    from recforge.pipelines.context import RunContext
-    from recforge.pipelines.summary import summarize
-
     _print_summary(summarize(RunContext.create(run_key, PipelineConfig())))
 
 
 @app.command()
 def demo(rows_per_day: int = 200_000, workers: int = 2, epochs: int = 1):
     """Run the recforge_daily DAG once through Airflow on the embedded defaults, then print a summary."""
-    from recforge.demo import run_demo
-
     summary_data = run_demo(rows_per_day=rows_per_day, workers=workers, epochs=epochs, console=console)
     _print_summary(summary_data)
-    from recforge.demo import how_to_open
-
     console.print(how_to_open())
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context, name: str = typer.Argument(..., help="e.g. generator, embeddings, compile")):
     """Run bench/bench_NAME.py (extra arguments pass through); results go to bench/results/."""
-    from recforge.settings import repo_root
-
     script = repo_root() / "bench" / f"bench_{name}.py"
     if not script.exists():
         available = sorted(p.stem.removeprefix("bench_") for p in (repo_root() / "bench").glob("bench_*.py"))

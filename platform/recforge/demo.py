@@ -11,6 +11,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from recforge.config import PipelineConfig
+from recforge.pipelines.context import EXPERIMENT, RunContext
+from recforge.pipelines.runner import STAGES
+from recforge.pipelines.summary import summarize
 from recforge.settings import apply_embedded_env
 
 DAG_ID = "recforge_daily"
@@ -34,11 +38,6 @@ def _newest_run_dir(runs: Path, since: float) -> Path | None:
 
 
 def run_demo(rows_per_day: int, workers: int, epochs: int, console: Console) -> dict:
-    from recforge.config import PipelineConfig
-    from recforge.pipelines.context import EXPERIMENT, RunContext
-    from recforge.pipelines.runner import STAGES
-    from recforge.pipelines.summary import summarize
-
     env_vars = apply_embedded_env()
     home = Path(env_vars["RECFORGE_HOME"])
     logs = home / "logs"
@@ -79,5 +78,6 @@ def how_to_open() -> str:
     pw = Path(env["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"])
     return (
         "Open the UIs: `make up`, then Airflow at http://127.0.0.1:8080 "
-        f"(user admin; the password is generated on first start into {pw}) and MLflow at http://127.0.0.1:5000; `make down` stops them."
+        f"(user admin; the password is generated on first start into {pw}) and MLflow at http://127.0.0.1:5000; "
+        "`make down` stops them."
     )

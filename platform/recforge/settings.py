@@ -10,7 +10,6 @@ import shlex
 from pathlib import Path
 
 
-
 def repo_root() -> Path:
     """The checkout this package is installed from (editable install): platform/recforge/settings.py -> ../../.."""
     return Path(__file__).resolve().parents[2]
@@ -52,10 +51,11 @@ def embedded_env(home: Path | None = None) -> dict[str, str]:
         "AIRFLOW__API__PORT": "8080",
         "AIRFLOW__API__BASE_URL": "http://127.0.0.1:8080",
         "AIRFLOW__API_AUTH__JWT_SECRET": jwt_secret(home),
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(airflow_home / "simple_auth_manager_passwords.json.generated"),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE":
+            str(airflow_home / "simple_auth_manager_passwords.json.generated"),
         "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow' / 'mlflow.db'}",
         "RECFORGE_MLFLOW_ARTIFACTS": str(home / "mlflow" / "artifacts"),
-        "MLFLOW_UI": "http://127.0.0.1:5000",
+        "RECFORGE_MLFLOW_URL": "http://127.0.0.1:5000",
     }
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from recforge.pipelines.outputs import STAGE_OUTPUTS, PublishOutputs
+
 REPO = Path(__file__).resolve().parents[2]
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 
@@ -63,15 +65,16 @@ def test_dag_test_runs_end_to_end_and_registers_a_model(airflow_home):
     assert proc.returncode == 0, log[-4000:]
     assert len(runs) == 1, log[-4000:]
     run_dir = runs[0]
-    for stage in ("generate", "ingest", "plan_resources", "train", "evaluate", "compile", "publish"):
+    for stage, model in STAGE_OUTPUTS.items():  # every stage recorded outputs that read back as its model
         assert (run_dir / stage / "outputs.json").exists(), f"{stage} has no outputs\n{log[-4000:]}"
-    published = json.loads((run_dir / "publish" / "outputs.json").read_text())
+        model.model_validate_json((run_dir / stage / "outputs.json").read_text())
+    published = PublishOutputs.model_validate_json((run_dir / "publish" / "outputs.json").read_text())
 
     code = (
         "import json\n"
         "from recforge.tracking import TrackingStore, ModelRegistry\n"
         "s = TrackingStore(); r = ModelRegistry(s)\n"
-        f"v = s.client.get_model_version('recforge-dlrm', {published['version']!r})\n"
+        f"v = s.client.get_model_version('recforge-dlrm', {published.version!r})\n"
         "champ = r.champion()\n"
         f"runs = s.stage_runs('recforge_daily', {run_dir.name!r})\n"
         "parent = runs['pipeline']\n"

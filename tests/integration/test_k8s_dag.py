@@ -16,18 +16,23 @@ def test_k8s_dag_parses_and_runs_the_job_master_in_a_pod(tmp_path):
         f"bag = DagBag(dag_folder={str(REPO / 'dags' / 'recforge_train_k8s.py')!r})\n"
         "dag = bag.dags['recforge_train_k8s']\n"
         "(t,) = dag.tasks\n"
+        "spec = t.pod_template_dict['spec']\n"
+        "(c,) = spec['containers']\n"
         "heavy = sorted(m for m in ('torch', 'torchrec', 'mlflow', 'pyarrow') if m in sys.modules)\n"
         "print(json.dumps({'errors': {k: str(v) for k, v in bag.import_errors.items()}, 'heavy': heavy,\n"
-        "  'type': type(t).__module__ + '.' + type(t).__name__, 'cmds': t.cmds, 'arguments': t.arguments,\n"
-        "  'sa': t.service_account_name, 'env': sorted(e.name for e in t.env_vars),\n"
-        "  'volumes': [v.persistent_volume_claim.claim_name for v in t.volumes], 'schedule': str(dag.schedule),\n"
+        "  'type': type(t).__module__ + '.' + type(t).__name__, 'base': t.base_container_name,\n"
+        "  'container': c['name'], 'args': c['args'], 'image': c['image'], 'sa': spec['serviceAccountName'],\n"
+        "  'env': sorted(e['name'] for e in c['env']), 'schedule': str(dag.schedule),\n"
+        "  'volumes': [v['persistentVolumeClaim']['claimName'] for v in spec['volumes']],\n"
         "  'params': sorted(dag.params.keys())}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path), capture_output=True, text=True, check=True)
     info = json.loads(out.stdout.strip().splitlines()[-1])
     assert info["errors"] == {} and info["heavy"] == []
     assert info["type"] == "airflow.providers.cncf.kubernetes.operators.pod.KubernetesPodOperator"
-    assert info["cmds"] == ["python", "-m", "recforge.elastic.job_main"] and info["arguments"] == ["{{ params.job_json }}"]
+    # the pod is k8s_manifests.master_pod (tests/unit/test_k8s_job_pod.py compares the rendered pod), as its template
+    assert info["base"] == info["container"] == "master" and info["image"] == "{{ params.image }}"
+    assert info["args"] == ["python", "-m", "recforge.elastic.job_main", "{{ params.job_json }}"]
     assert info["sa"] == "recforge-job-master" and info["volumes"] == ["recforge-data"]
     assert {"POD_NAME", "POD_UID", "POD_IP", "POD_NAMESPACE", "RECFORGE_IMAGE"} <= set(info["env"])
     assert info["schedule"] == "None" and {"job_json", "image", "namespace"} <= set(info["params"])

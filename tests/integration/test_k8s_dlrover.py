@@ -55,10 +55,10 @@ def run_job(api, tmp_path, job_id: str, *, workers: int, memory: float, ranks: R
             pend=()):
     """Stage 1 (cold start), then the job under its DLRoverScaler on the emulated cluster."""
     from recforge.config import ResourceConfig
-    from recforge.elastic.master.dlrover_scaler import DLRoverScaler
-    from recforge.elastic.job import run_training_job
     from recforge.elastic.backends.kubernetes import KubernetesBackend, memory_quantity
-    from recforge.elastic.optimizer.dlrover import DLRoverPolicy, JobLimits, OptimizerConfig
+    from recforge.elastic.job import run_training_job
+    from recforge.elastic.master.dlrover_scaler import DLRoverScaler
+    from recforge.elastic.optimizer import DLRoverPolicy, JobLimits, OptimizerConfig
     from recforge.elastic.policy import JobInfo, StaticPolicy
 
     res = ResourceConfig(workers=workers, threads_per_worker=1, max_restarts=0, backend="kubernetes")
@@ -83,7 +83,7 @@ def run_job(api, tmp_path, job_id: str, *, workers: int, memory: float, ranks: R
 
 
 def test_pods_pending_too_long_are_relaunched_smaller(api, tmp_path):  # noqa: F811
-    from recforge.elastic.optimizer.dlrover import OptimizerConfig
+    from recforge.elastic.optimizer import OptimizerConfig
 
     ranks = Ranks()
     result, scaler, kubelet = run_job(api, tmp_path, "t3", workers=2, memory=0.5 * GiB, ranks=ranks, pend={0},

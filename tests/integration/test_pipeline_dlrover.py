@@ -33,16 +33,16 @@ def test_dlrover_daily_run_rescales_during_training_and_logs_its_decisions(recfo
     generate(ctx)
     ingest(ctx)
     plan = plan_resources(ctx)
-    assert (plan["workers"], plan["threads_per_worker"]) == (2, 1) and plan["dlrover"]["limits"]["cpu"] == 2
+    assert (plan.workers, plan.threads_per_worker) == (2, 1) and plan.dlrover["limits"]["cpu"] == 2
     out = train(ctx)
 
     # resources changed while training: a stage 2 decision, executed as a checkpoint-stop-relaunch
-    attempts = out["job"]["attempts"]
+    attempts = out.job.attempts
     assert [a["outcome"] for a in attempts][-1] == "finished" and "rescaled" in [a["outcome"] for a in attempts]
-    executed = out["dlrover"]["executed"]
-    assert executed and executed[0]["stage"] == "runtime" and "[executed: rescale 2 -> 1 worker(s)" in executed[0]["reason"]
-    assert out["world_size"] == 1 and attempts[0]["workers"] == 2
-    measured = {p["workers"]: p["samples_per_s"] for p in out["dlrover"]["throughput_by_plan"]}
+    executed = out.dlrover.executed
+    assert executed and executed[0].stage == "runtime" and "[executed: rescale 2 -> 1 worker(s)" in executed[0].reason
+    assert out.world_size == 1 and attempts[0]["workers"] == 2
+    measured = {p["workers"]: p["samples_per_s"] for p in out.dlrover.throughput_by_plan}
     print(f"DLRover pipeline run: samples/s by workers {measured}; attempts {[a['decision'] for a in attempts]}")
 
     # per-sample accounting across the relaunch: every row of the day in the lineage exactly once, trained once
@@ -51,11 +51,11 @@ def test_dlrover_daily_run_rescales_during_training_and_logs_its_decisions(recfo
     a = audit(ctx.stage_dir("train") / "ledger")
     assert set(a.lineage) == rows and set(a.lineage.values()) == {1}
     assert set(a.trained) == rows and sum(a.trained.values()) == ROWS  # a graceful stop redoes nothing
-    assert out["samples_trained"] == [ROWS]
+    assert out.samples_trained == [ROWS]
 
     # the decisions are in MLflow: events with inputs, prediction and reason; counts; the registered model
     store = TrackingStore()
-    run = store.client.get_run(out["mlflow_run_id"])
+    run = store.client.get_run(out.mlflow_run_id)
     assert run.data.metrics["dlrover.executed"] >= 1 and run.data.metrics["dlrover.relaunches"] >= 1
     path = store.client.download_artifacts(run.info.run_id, "resource_model/events.jsonl", str(recforge_home))
     events = [json.loads(line) for line in open(path)]

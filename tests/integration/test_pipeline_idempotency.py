@@ -3,6 +3,7 @@ import json
 
 from recforge.pipelines.context import RunContext
 from recforge.pipelines.data_stages import generate, ingest
+from recforge.pipelines.outputs import IngestOutputs
 from recforge.pipelines.plan_stage import plan_resources
 from recforge.tracking import TrackingStore
 
@@ -20,13 +21,14 @@ def test_stages_are_idempotent(recforge_home):
     manifest_after = (ctx.stage_dir("ingest") / "train" / "manifest.json").read_text()
 
     assert json.loads(manifest_before)["shards"] == json.loads(manifest_after)["shards"]
-    assert first["ingest"]["train"]["rows"] == second["ingest"]["train"]["rows"] == 3000
-    assert second["ingest"]["holdout"]["rows"] == 3000
+    assert first["ingest"].train.rows == second["ingest"].train.rows == 3000
+    assert second["ingest"].holdout.rows == 3000
+    assert ctx.read(IngestOutputs) == second["ingest"]  # what the stage returned is what a later stage reads
     assert len(list((ctx.stage_dir("ingest") / "train").glob("part-*.parquet"))) == 3
     # one MLflow run per stage plus the parent, each reused by the retry
     runs = TrackingStore().stage_runs(ctx.experiment, ctx.run_key)
     assert sorted(runs) == ["generate", "ingest", "pipeline", "plan_resources"]
-    assert first["ingest"]["mlflow_run_id"] == second["ingest"]["mlflow_run_id"]
+    assert first["ingest"].mlflow_run_id == second["ingest"].mlflow_run_id is not None
     parent = runs["pipeline"].info.run_id
     assert all(r.data.tags.get("mlflow.parentRunId") == parent for s, r in runs.items() if s != "pipeline")
     # no temp directories left behind

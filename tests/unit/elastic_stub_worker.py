@@ -1,4 +1,4 @@
-"""Stand-in for `recforge.worker.main`, run by tests/unit/test_elastic_local.py under torchrun.
+"""Stand-in for `recforge.worker`, run by tests/unit/test_elastic_local.py under torchrun.
 
 `python -m elastic_stub_worker SPEC_JSON` (tests/unit on PYTHONPATH). It follows the worker's
 protocol with the job master without training anything: per step each rank leases a task (until the

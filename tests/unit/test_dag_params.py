@@ -18,7 +18,8 @@ def test_params_nest_into_the_config():
     cfg = PipelineConfig.model_validate(config_from_params(
         {"workers": 3, "batch_size": 32, "model_arch": "dlrm_dcn", "preprocessing": "corun", "source_dir": "",
          "corun_mapping": False}))
-    assert (cfg.resources.workers, cfg.train.batch_size, cfg.model.arch, cfg.preprocessing) == (3, 32, "dlrm_dcn", "corun")
+    assert (cfg.resources.workers, cfg.train.batch_size, cfg.model.arch, cfg.preprocessing) \
+        == (3, 32, "dlrm_dcn", "corun")
     assert cfg.corun.mapping is False  # a boolean False is a setting, not "not set"
     assert cfg.source_dir is None  # an empty form field means "not set"
 

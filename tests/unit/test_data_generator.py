@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gzip
+from datetime import UTC
 from pathlib import Path
 
 import numpy as np
@@ -56,16 +57,16 @@ def test_first_day_slides_the_window_over_one_hidden_model(tmp_path):
 
 
 def test_daily_dag_runs_draw_the_days_of_their_logical_date():
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from recforge.pipelines.dag_tasks import data_day_of
 
     class Run:  # the two attributes of an Airflow DagRun that data_day_of reads
-        run_after = datetime(2026, 11, 30, 3, 0, tzinfo=timezone.utc)
+        run_after = datetime(2026, 11, 30, 3, 0, tzinfo=UTC)
 
-    day = datetime(2026, 11, 29, tzinfo=timezone.utc)
+    day = datetime(2026, 11, 29, tzinfo=UTC)
     assert data_day_of({"logical_date": day, "dag_run": Run()}, {"train_days": 2}) == day.date().toordinal() - 2
-    nxt = data_day_of({"logical_date": datetime(2026, 11, 30, tzinfo=timezone.utc), "dag_run": Run()}, {"train_days": 2})
+    nxt = data_day_of({"logical_date": datetime(2026, 11, 30, tzinfo=UTC), "dag_run": Run()}, {"train_days": 2})
     assert nxt == day.date().toordinal() - 1  # tomorrow's run: its window slides by one day
     # a manual run without a logical date (Airflow 3) falls back to run_after; the default train_days applies
     from recforge.config import PipelineConfig
@@ -140,7 +141,7 @@ def test_cardinality_scale(tmp_path):
 @pytest.mark.parametrize("dataset", [DS, SMALL], ids=["criteo", "small"])
 def test_positive_rate_and_bayes_auc(tmp_path, dataset):
     rep = generate_days(dataset, tmp_path / "raw", days=2, rows_per_day=20_000, seed=5)
-    for rate, bayes in zip(rep.positive_rate, rep.bayes_auc):
+    for rate, bayes in zip(rep.positive_rate, rep.bayes_auc, strict=True):
         assert abs(rate - dataset.positive_rate) < 0.02
         assert 0.6 < bayes < 0.95
     table, _ = read_table(Path(rep.files[0]), dataset, tmp_path)

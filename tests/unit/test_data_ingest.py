@@ -12,7 +12,7 @@ from recforge.config import criteo_kaggle_dataset
 from recforge.data import DataError, Manifest, Quarantine, generate_days, ingest, read_criteo, read_rows
 from recforge.data.schema import arrow_schema
 
-SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "criteo_kaggle_sample.tsv"
+SAMPLE = Path(__file__).resolve().parents[1] / "data" / "criteo_kaggle_sample.tsv"  # tests/data/README.md
 DS = criteo_kaggle_dataset()
 SAMPLE_LINES = SAMPLE.read_text().splitlines()
 

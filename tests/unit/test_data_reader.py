@@ -17,7 +17,7 @@ from recforge.data.quarantine import Quarantine
 from recforge.data.reader import GZIP_MAGIC, parse_line_reference, read_criteo
 from recforge.data.schema import arrow_schema
 
-SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "criteo_kaggle_sample.tsv"
+SAMPLE = Path(__file__).resolve().parents[1] / "data" / "criteo_kaggle_sample.tsv"  # tests/data/README.md
 DS = criteo_kaggle_dataset()
 
 
@@ -147,7 +147,7 @@ def test_bad_rows_are_quarantined_with_reason_and_line(tmp_path, name, compress)
     good_row = parse_line_reference(GOOD.encode(), DS)[0]
     assert [list(r.values()) for r in table.slice(0, len(BAD_CASES)).to_pylist()] == [good_row] * len(BAD_CASES)
     edge_rows = table.slice(len(BAD_CASES), len(GOOD_EDGE)).to_pylist()
-    for row, (_, col, value) in zip(edge_rows, GOOD_EDGE):
+    for row, (_, col, value) in zip(edge_rows, GOOD_EDGE, strict=True):
         assert row[col] == value
     assert list(table.slice(n_good - 1).to_pylist()[0].values()) == good_row  # the CRLF line
 
@@ -259,7 +259,8 @@ def test_fast_path_matches_reference(tmp_path, lines, batch_rows):
 def test_optimistic_split_and_line_scan_agree(tmp_path, monkeypatch, with_oddities):
     """Blocks split optimistically by pyarrow (bad field counts reported by its handler) give the
     same rows and quarantine records as the numpy line scan."""
-    cases = [(t, r) for t, r in BAD_CASES if with_oddities or (isinstance(t, str) and t and "\r" not in t and t.isascii())]
+    cases = [(t, r) for t, r in BAD_CASES
+             if with_oddities or (isinstance(t, str) and t and "\r" not in t and t.isascii())]
     lines = []
     for text, _ in cases:
         lines += [GOOD, text]

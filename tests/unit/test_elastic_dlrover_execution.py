@@ -7,14 +7,12 @@ import json
 import pytest
 
 from recforge.config import ResourceConfig
-from recforge.elastic.master.dlrover_scaler import DLRoverScaler, scaler_from_stage1
 from recforge.elastic.job import run_training_job
-from recforge.elastic.optimizer.memory_model import GiB
-from recforge.elastic.optimizer.dlrover import (
-    DLRoverPolicy, JobLimits, OptimizerConfig, ResourceLimitError, pipeline_limits, pipeline_plan,
-)
-from recforge.elastic.policy import JobInfo, ResourcePlan, StaticPolicy
+from recforge.elastic.master.dlrover_scaler import DLRoverScaler, scaler_from_stage1
 from recforge.elastic.master.supervisor import Rescale
+from recforge.elastic.optimizer import DLRoverPolicy, GiB, JobLimits, OptimizerConfig, ResourceLimitError
+from recforge.elastic.policy import JobInfo, ResourcePlan, StaticPolicy
+from recforge.pipelines.resource_planning import pipeline_limits, pipeline_plan
 from test_elastic_local import SHARDS, stub_backend, stub_spec
 
 LIMITS = JobLimits(cpu=2.0, memory=64 * GiB, max_cpu_per_worker=2.0)

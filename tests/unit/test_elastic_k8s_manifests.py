@@ -8,7 +8,7 @@ import pytest
 from recforge.elastic.backends.k8s_manifests import (
     JobPodSettings, PodResources, master_pod, rendezvous_service, selector, validate, worker_pod,
 )
-from recforge.elastic.backends.kubernetes import memory_bytes, memory_quantity
+from recforge.elastic.backends.kubernetes import backend_from_environment, memory_bytes, memory_quantity
 
 S = JobPodSettings(namespace="recforge", job_id="daily-1a2b", image="registry.example.com/recforge:0.1.0")
 OWNER = {"apiVersion": "v1", "kind": "Pod", "name": "daily-1a2b-master", "uid": "8d1f0c9e-1111-2222-3333-444455556666"}
@@ -65,3 +65,16 @@ def test_memory_quantities():
     assert memory_quantity(int(memory_bytes("1Gi") * 1.5)) == "1536Mi"
     with pytest.raises(ValueError, match="memory quantity 'lots'"):
         memory_bytes("lots")
+
+
+def test_a_master_pod_gives_its_backend_the_image_and_volume_of_its_workers(tmp_path, monkeypatch):
+    """master_pod's environment is what backend_from_environment reads: the workers it creates run the master's
+    image on the master's data volume."""
+    settings = JobPodSettings(namespace="ns", job_id="j", image="registry.example.com/recforge:2", data_claim="claim-x",
+                              data_mount=str(tmp_path))
+    env = master_pod(settings, job_json="/x/job.json")["spec"]["containers"][0]["env"]
+    for e in env:
+        if "value" in e:
+            monkeypatch.setenv(e["name"], e["value"])
+    got = backend_from_environment(tmp_path / "runs" / "r" / "state").settings
+    assert (got.image, got.data_claim, got.data_mount) == (settings.image, settings.data_claim, settings.data_mount)

@@ -52,7 +52,7 @@ def test_local_backend_command_line():
     for flag in ("--nnodes=1", "--nproc-per-node=3", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:1234",
                  "--max-restarts=2"):
         assert flag in cmd
-    assert cmd[-3:] == ["-m", "recforge.worker.main", "/s.json"]
+    assert cmd[-3:] == ["-m", "recforge.worker", "/s.json"]
 
 
 def test_run_training_job_with_two_real_processes(tmp_path):

@@ -1,10 +1,13 @@
 """infra/: every Kubernetes manifest passes kubernetes-validate (offline, strict, the pinned schema version); the
 Helm values for the official Airflow chart parse, set what recforge needs, and their embedded Kubernetes objects
-(containers, volumes, resources) validate too; names shared between files agree."""
+(containers, volumes, resources) validate too; names shared between files agree; infra/jobs/ is what
+recforge.elastic.backends.k8s_manifests generates."""
 from pathlib import Path
 
 import pytest
 import yaml
+
+from recforge.elastic.backends import k8s_manifests
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -47,7 +50,7 @@ def test_manifest_passes_strict_schema_validation(path):
 
 
 def test_validation_catches_a_broken_manifest():
-    pod = _objects()[("Pod", "recforge-worker-example-0")]
+    pod = _objects()[("Pod", "example-worker-0-l0")]
     broken = {**pod, "spec": {**pod["spec"], "containers": [{**pod["spec"]["containers"][0], "imagePullPolicy": 7}]}}
     with pytest.raises(AssertionError, match="imagePullPolicy"):
         _validate(broken)
@@ -85,8 +88,6 @@ def test_helm_values_set_what_recforge_needs():
     assert core["dags_folder"] == "/opt/recforge/dags" and core["plugins_folder"] == "/opt/recforge/plugins"
     env = {e["name"]: e["value"] for e in v["env"]}
     assert env["MLFLOW_TRACKING_URI"].startswith("http://recforge-mlflow")
-    for key in ("RECFORGE_WORKER_POD_TEMPLATE", "RECFORGE_RDZV_SERVICE_TEMPLATE"):  # paths inside the image
-        assert (REPO / env[key].removeprefix("/opt/recforge/")).is_file(), env[key]
     for component in ("scheduler", "dagProcessor", "apiServer", "workers", "triggerer"):
         assert component in v, component
 
@@ -115,3 +116,15 @@ def test_kubernetes_objects_inside_the_helm_values_validate():
     _validate(pod)
     mounted = {m["name"] for c in pod["spec"]["initContainers"] + pod["spec"]["containers"] for m in c["volumeMounts"]}
     assert mounted <= {vol["name"] for vol in pod["spec"]["volumes"]}
+
+
+def test_job_templates_are_the_generated_manifests():
+    """infra/jobs/*.yaml are written by `python -m recforge.elastic.backends.k8s_manifests infra/jobs`: the pod shape
+    lives in one place, and a change to it that was not regenerated fails here."""
+    jobs = INFRA / "jobs"
+    generated = k8s_manifests.templates()
+    assert sorted(p.name for p in jobs.glob("*.yaml")) == sorted(generated)
+    for name, text in generated.items():
+        assert (jobs / name).read_text() == text, f"infra/jobs/{name} is stale: regenerate it"
+    for name, manifest in k8s_manifests.example_manifests().items():
+        assert yaml.safe_load(generated[name]) == manifest, name

@@ -12,8 +12,7 @@ from hypothesis.extra import numpy as hnp
 import recforge_kernels  # noqa: F401
 from recforge.preprocess.semantics import reference as ref
 from recforge.preprocess.semantics.ops import logit_bounds
-from recforge_kernels import cpu_ext
-from recforge_kernels import fused_torch
+from recforge_kernels import cpu_ext, fused_torch
 from recforge_kernels.reference import INT64_MAX, INT64_MIN, sigrid_hash_ref
 
 FAST = settings(max_examples=40, deadline=None)
@@ -54,7 +53,7 @@ def test_fill_null_columns(impl, x, data):
     for dense in (True, False):
         out = kernel(impl, "fill_null_columns")(torch.from_numpy(x), torch.from_numpy(valid), cols_,
                                                 [float(v) for v in values], dense)
-        for c, v, o in zip(cols_, values, out):
+        for c, v, o in zip(cols_, values, out, strict=True):
             expected = ref.fill_null_ref(x[:, c], valid[:, c], v, "dense" if dense else "sparse")
             np.testing.assert_array_equal(o.numpy(), expected)
 
@@ -65,7 +64,7 @@ def test_fill_null_columns(impl, x, data):
 def test_fill_null_list_values(impl, xs, data):
     valids = [data.draw(hnp.arrays(np.bool_, x.shape)) for x in xs]
     out = kernel(impl, "fill_null")(t(xs), t(valids), [7.0] * len(xs), False)
-    for x, v, o in zip(xs, valids, out):
+    for x, v, o in zip(xs, valids, out, strict=True):
         np.testing.assert_array_equal(o.numpy(), ref.fill_null_ref(x, v, 7, "sparse"))
 
 
@@ -78,7 +77,7 @@ def test_sigrid_hash(impl, xs, data):
         st.sampled_from([1, 2, 3, 2047, 3073, 65536, 10131227, 2**51 - 1, 2**51 + 1, 2**62 + 3, INT64_MAX]),
         st.integers(1, INT64_MAX)), min_size=len(xs), max_size=len(xs)))
     out = kernel(impl, "sigrid_hash")(t(xs), salts, moduli)
-    for x, s, m, o in zip(xs, salts, moduli, out):
+    for x, s, m, o in zip(xs, salts, moduli, out, strict=True):
         assert o.tolist() == [sigrid_hash_ref(int(v), s, m) for v in x]
 
 
@@ -95,7 +94,7 @@ def test_sigrid_hash_fixed_vectors(impl):
 def test_logit(impl, xs, eps):
     lo, hi = logit_bounds(eps)
     out = kernel(impl, "logit")(t(xs), [lo] * len(xs), [hi] * len(xs))
-    for x, o in zip(xs, out):
+    for x, o in zip(xs, out, strict=True):
         np.testing.assert_allclose(o.numpy(), ref.logit_ref(x, eps), rtol=1e-6, atol=0, equal_nan=True)
 
 
@@ -104,7 +103,7 @@ def test_logit(impl, xs, eps):
 @given(xs=cols(np.float32, floats32), lam=st.sampled_from([0.0, 1e-5, 0.5, -1.0, 2.0, 3.0]))
 def test_boxcox(impl, xs, lam):
     out = kernel(impl, "boxcox")(t(xs), [lam] * len(xs))
-    for x, o in zip(xs, out):
+    for x, o in zip(xs, out, strict=True):
         np.testing.assert_allclose(o.numpy(), ref.boxcox_ref(x, lam), rtol=1e-6, atol=0, equal_nan=True)
 
 
@@ -113,15 +112,15 @@ def test_boxcox(impl, xs, lam):
 @given(xs=cols(np.float32, floats32), data=st.data())
 def test_clamp_cast_bucketize(impl, xs, data):
     out = kernel(impl, "clamp_float")(t(xs), [-1.5] * len(xs), [0.75] * len(xs))
-    for x, o in zip(xs, out):
+    for x, o in zip(xs, out, strict=True):
         np.testing.assert_array_equal(o.numpy(), ref.clamp_ref(x, -1.5, 0.75))
-    for x, o in zip(xs, kernel(impl, "cast")(t(xs), False)):
+    for x, o in zip(xs, kernel(impl, "cast")(t(xs), False), strict=True):
         np.testing.assert_array_equal(o.numpy(), ref.cast_ref(x, "id"))
     borders = [data.draw(st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=5, unique=True).map(sorted))
                for _ in xs]
     flat = torch.tensor([b for bs in borders for b in bs], dtype=torch.float32)
     offsets = np.concatenate([[0], np.cumsum([len(b) for b in borders])]).tolist()
-    for x, b, o in zip(xs, borders, kernel(impl, "bucketize")(t(xs), flat, offsets)):
+    for x, b, o in zip(xs, borders, kernel(impl, "bucketize")(t(xs), flat, offsets), strict=True):
         np.testing.assert_array_equal(o.numpy(), ref.bucketize_ref(x, b))
 
 
@@ -130,14 +129,14 @@ def test_clamp_cast_bucketize(impl, xs, data):
 @given(xs=cols(np.int64, int64s), data=st.data())
 def test_clamp_id_mapid_cast_float(impl, xs, data):
     out = kernel(impl, "clamp_id")(t(xs), [-3] * len(xs), [INT64_MAX] * len(xs))
-    for x, o in zip(xs, out):
+    for x, o in zip(xs, out, strict=True):
         np.testing.assert_array_equal(o.numpy(), ref.clamp_ref(x, -3, INT64_MAX))
     tables = [data.draw(st.lists(st.integers(INT64_MIN, INT64_MAX), min_size=1, max_size=6)) for _ in xs]
     flat = torch.tensor([v for tb in tables for v in tb], dtype=torch.int64)
     offsets = np.concatenate([[0], np.cumsum([len(tb) for tb in tables])]).tolist()
-    for x, tb, o in zip(xs, tables, kernel(impl, "mapid")(t(xs), flat, offsets)):
+    for x, tb, o in zip(xs, tables, kernel(impl, "mapid")(t(xs), flat, offsets), strict=True):
         np.testing.assert_array_equal(o.numpy(), ref.mapid_ref(x, tb))
-    for x, o in zip(xs, kernel(impl, "cast")(t(xs), True)):
+    for x, o in zip(xs, kernel(impl, "cast")(t(xs), True), strict=True):
         np.testing.assert_array_equal(o.numpy(), ref.cast_ref(x, "float"))
 
 
@@ -149,7 +148,7 @@ def test_onehot(impl, xs, C, lo):
     keep = [C, 1, max(1, C - 2), C + 3][:len(xs)] + [C] * max(0, len(xs) - 4)  # the first columns only
     out = kernel(impl, "onehot")([torch.from_numpy(x).unsqueeze(1) for x in xs], [lo] * len(xs), [hi] * len(xs),
                                  [C] * len(xs), keep)
-    for x, o, k in zip(xs, out, keep):
+    for x, o, k in zip(xs, out, keep, strict=True):
         assert o.shape == (len(x), min(C, k))
         for i in range(len(x)):
             np.testing.assert_array_equal(o[i].numpy(), ref.onehot_ref(x[i:i + 1], lo, hi, C)[:k])
@@ -162,7 +161,7 @@ def test_onehot(impl, xs, C, lo):
 def test_firstx_ngram_fixed(impl, x, n, X):
     for arr in (x, x.astype(np.float32)):
         got = kernel(impl, "ngram")([torch.from_numpy(arr)], [n])[0]
-        for row, e in zip(got.numpy(), arr):
+        for row, e in zip(got.numpy(), arr, strict=True):
             np.testing.assert_array_equal(row, ref.ngram_ref(e, n))
         got = kernel(impl, "firstx")([torch.from_numpy(arr)], [X])[0]
         np.testing.assert_array_equal(got.numpy(), arr[:, :X])

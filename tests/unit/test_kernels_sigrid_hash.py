@@ -97,7 +97,7 @@ def test_multi_equals_oracle_per_column(rows, salt, ms):
     x = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
     got = recforge_kernels.sigrid_hash_multi(x, salt, torch.tensor(ms, dtype=torch.int64))
     assert got.shape == x.shape
-    assert got.tolist() == [[sigrid_hash_ref(v, salt, m) for v, m in zip(r, ms)] for r in rows]
+    assert got.tolist() == [[sigrid_hash_ref(v, salt, m) for v, m in zip(r, ms, strict=True)] for r in rows]
 
 
 @settings(max_examples=200, deadline=None)

@@ -29,7 +29,8 @@ CHECK = textwrap.dedent('''
                 assert torch.equal(x, y), name
     n = len(ints)
     moduli = [1, 65536, 10131227, INT64_MAX]
-    same(tri.sigrid_hash(ints, [0, 5, -3, INT64_MAX], moduli), ref.sigrid_hash(ints, [0, 5, -3, INT64_MAX], moduli), "sigrid_hash")
+    salts = [0, 5, -3, INT64_MAX]
+    same(tri.sigrid_hash(ints, salts, moduli), ref.sigrid_hash(ints, salts, moduli), "sigrid_hash")
     same(tri.logit(floats, [1e-5] * 4, [0.99999] * 4), ref.logit(floats, [1e-5] * 4, [0.99999] * 4), "logit")
     same(tri.boxcox(floats, [0.0, 0.5, -1.0, 1e-5]), ref.boxcox(floats, [0.0, 0.5, -1.0, 1e-5]), "boxcox")
     same(tri.clamp_float(floats, [-1.0] * 4, [2.0] * 4), ref.clamp_float(floats, [-1.0] * 4, [2.0] * 4), "clamp_float")
@@ -42,13 +43,16 @@ CHECK = textwrap.dedent('''
     same(tri.cast(floats, False), ref.cast(floats, False), "cast_id")
     valids = [torch.rand(x.shape, generator=g) > 0.3 for x in ints]
     for dense in (True, False):
-        same(tri.fill_null(ints, valids, [2.0, -1.0, 0.0, 7.0], dense), ref.fill_null(ints, valids, [2.0, -1.0, 0.0, 7.0], dense), "fill_null")
+        fills = [2.0, -1.0, 0.0, 7.0]
+        same(tri.fill_null(ints, valids, fills, dense), ref.fill_null(ints, valids, fills, dense), "fill_null")
     m = torch.randint(-9, 9, (300, 5), generator=g)
     mv = torch.rand(m.shape, generator=g) > 0.5
-    same(tri.fill_null_columns(m, mv, [4, 0, 2], [1.0, 2.0, 3.0], True), ref.fill_null_columns(m, mv, [4, 0, 2], [1.0, 2.0, 3.0], True), "fill_null_columns")
+    same(tri.fill_null_columns(m, mv, [4, 0, 2], [1.0, 2.0, 3.0], True),
+         ref.fill_null_columns(m, mv, [4, 0, 2], [1.0, 2.0, 3.0], True), "fill_null_columns")
     oh = [f.unsqueeze(1) for f in floats]
-    same(tri.onehot(oh, [-5.0] * 4, [16.0] * 4, [5, 8, 1, 3]), ref.onehot(oh, [-5.0] * 4, [16.0] * 4, [5, 8, 1, 3]), "onehot")
-    same(tri.onehot(oh, [-5.0] * 4, [16.0] * 4, [5, 8, 1, 3], [1, 3, 1, 9]), ref.onehot(oh, [-5.0] * 4, [16.0] * 4, [5, 8, 1, 3], [1, 3, 1, 9]), "onehot keep")
+    lo, hi, sizes = [-5.0] * 4, [16.0] * 4, [5, 8, 1, 3]
+    same(tri.onehot(oh, lo, hi, sizes), ref.onehot(oh, lo, hi, sizes), "onehot")
+    same(tri.onehot(oh, lo, hi, sizes, [1, 3, 1, 9]), ref.onehot(oh, lo, hi, sizes, [1, 3, 1, 9]), "onehot keep")
     rows = [torch.randint(0, 99, (r, w), generator=g) for r, w in ((7, 8), (0, 3), (300, 1), (5, 2))]
     for k in (1, 2, 4, 9):
         same(tri.ngram(rows, [k] * 4), ref.ngram(rows, [k] * 4), f"ngram {k}")

@@ -8,11 +8,10 @@ import pytest
 from recforge.config import ResourceConfig
 from recforge.elastic.optimizer.history import InMemoryHistory, JobRecord
 from recforge.elastic.optimizer.memory_model import GiB
-from recforge.elastic.optimizer.dlrover import (
-    JobDescription, JobLimits, JobPlan, history_points, local_default_model, pipeline_plan, recommend_after_run,
-    warm_start,
-)
+from recforge.elastic.optimizer.plans import JobDescription, JobLimits, PodPlan
 from recforge.elastic.optimizer.throughput_model import Allocation, ThroughputModel, load_profile
+from recforge.elastic.optimizer.warm_start import history_points, local_default_model, warm_start
+from recforge.pipelines.resource_planning import pipeline_plan, recommend_after_run
 
 TABLES = [("C1", 1000), ("C2", 50_000)]
 TRUE = ThroughputModel(("const", "b_per_cpu", "w"), (0.01, 2e-4, 0.003))
@@ -61,11 +60,11 @@ def test_stage1_refits_on_measured_points_of_past_runs():
     recs = []
     for w, c in ((1, 1.0), (2, 2.0), (3, 1.0), (4, 4.0)):
         a = Allocation(w, c, 512)
-        recs.append(JobRecord("d", "m", JobPlan(w, c, GiB, 512).to_dict(), model=TRUE,
+        recs.append(JobRecord("d", "m", PodPlan(w, c, GiB, 512).to_dict(), model=TRUE,
                               extra={"points": [{"allocation": a.to_dict(), "samples_per_s": TRUE.predict(a) * 1.5},
                                                 {"allocation": {"bad": 1}, "samples_per_s": 3}]}))
     assert len(history_points(recs)) == 4  # the malformed point is skipped
-    ws = warm_start(JobDescription("d", "m", JobPlan(1, 1.0, GiB, 512)), InMemoryHistory(recs), JobLimits(cpu=64, memory=64 * GiB))
+    ws = warm_start(JobDescription("d", "m", PodPlan(1, 1.0, GiB, 512)), InMemoryHistory(recs), JobLimits(cpu=64, memory=64 * GiB))
     assert "refitted on 4 measured points" in ws.events[0].reason
     assert ws.prior.predict(Allocation(2, 2.0, 512)) == pytest.approx(TRUE.predict(Allocation(2, 2.0, 512)) * 1.5, rel=0.1)
 

@@ -7,19 +7,30 @@ import json
 import pytest
 
 from recforge.config import ResourceConfig
+from recforge.elastic.optimizer import (
+    DLRoverPolicy,
+    InstabilityStage,
+    JobDescription,
+    JobLimits,
+    Observation,
+    OptimizerConfig,
+    PodPlan,
+    ResourceLimitError,
+    RuntimeStage,
+    clamp,
+    search,
+    warm_start,
+)
 from recforge.elastic.optimizer.events import Event, read_jsonl, write_jsonl
 from recforge.elastic.optimizer.history import InMemoryHistory, JobRecord
 from recforge.elastic.optimizer.memory_model import GiB
-from recforge.elastic.optimizer.dlrover import (
-    DLRoverPolicy, InstabilityStage, JobDescription, JobLimits, JobPlan, Observation, OptimizerConfig,
-    ResourceLimitError, RuntimeStage, clamp, search, warm_start,
-)
-from recforge.elastic.policy import JobInfo, Policy, ResourcePlan
+from recforge.elastic.optimizer.search import candidates, plan_cost
 from recforge.elastic.optimizer.throughput_model import PS_TERMS, ThroughputModel
+from recforge.elastic.policy import JobInfo, Policy, ResourcePlan
 
 MODEL = ThroughputModel(PS_TERMS, (0.02, 4e-4, 5e-5, 0.002, 0.001, 0.0005))
 LIMITS = JobLimits(cpu=200, memory=800 * GiB)
-REQ = JobPlan(workers=4, cpu_per_worker=8, memory_per_worker=8 * GiB, batch_size=512, servers=1, cpu_per_server=4,
+REQ = PodPlan(workers=4, cpu_per_worker=8, memory_per_worker=8 * GiB, batch_size=512, servers=1, cpu_per_server=4,
               memory_per_server=16 * GiB)
 JOB = JobDescription("criteo_kaggle", "dlrm", REQ, total_samples=1e9, parameter_server=True)
 
@@ -61,7 +72,7 @@ def test_warm_start_from_similar_jobs_models_runs_the_search_on_their_median_mod
 
 
 def test_history_without_usable_models_gives_the_median_final_plan():
-    plans = [JobPlan(w, 4, 4 * GiB, 512, 2, 4, 8 * GiB) for w in (2, 6, 10)]
+    plans = [PodPlan(w, 4, 4 * GiB, 512, 2, 4, 8 * GiB) for w in (2, 6, 10)]
     hist = InMemoryHistory([JobRecord("criteo_kaggle", "dlrm", p.to_dict()) for p in plans])
     hist.problems.append("run x: record.json corrupt")
     ws = warm_start(JOB, hist, LIMITS)
@@ -97,14 +108,12 @@ def test_limits_below_one_worker_are_a_clear_error(limits, match):
 # ---- stage 2 -----------------------------------------------------------------------------
 def _exhaustive_best(plan, model, limits, cfg, job):
     """Reference: among all single unit changes, the best ratio (what greedy's first step must pick)."""
-    from recforge.elastic.optimizer.dlrover import _candidates, _cost
-
     base = model.predict(plan.allocation())
     best = None
-    for name, p in _candidates(plan, True, True):
+    for name, p in candidates(plan, True, True):
         if not limits.fits(p):
             continue
-        ratio = ((model.predict(p.allocation()) - base) / (_cost(p, cfg) - _cost(plan, cfg))) / (base / _cost(plan, cfg))
+        ratio = ((model.predict(p.allocation()) - base) / (plan_cost(p, cfg) - plan_cost(plan, cfg))) / (base / plan_cost(plan, cfg))
         if best is None or ratio > best[0]:
             best = (ratio, name)
     return best
@@ -112,7 +121,7 @@ def _exhaustive_best(plan, model, limits, cfg, job):
 
 def test_search_first_move_is_the_exhaustive_best_and_search_respects_limits_and_caps():
     cfg = OptimizerConfig()
-    start = JobPlan(1, 1, 2 * GiB, 512, 1, 1, 4 * GiB)
+    start = PodPlan(1, 1, 2 * GiB, 512, 1, 1, 4 * GiB)
     ref = _exhaustive_best(start, MODEL, LIMITS, cfg, JOB)
     plan, moves = search(start, MODEL, LIMITS, cfg, JOB, max_units=4)
     assert moves[0].action == ref[1] and moves[0].ratio == pytest.approx(ref[0])
@@ -138,7 +147,7 @@ def test_runtime_stage_profiles_then_acts_then_paces():
     change = [e for e in evs if e.changes_plan]
     assert len(change) == 1 and change[0].stage == "runtime"
     assert change[0].prediction["samples_per_s_after"] > change[0].prediction["samples_per_s_now"]
-    new = JobPlan.from_dict(change[0].plan_after)
+    new = PodPlan.from_dict(change[0].plan_after)
     assert LIMITS.fits(new) and len(change[0].action.split("+")) <= cfg.max_units_per_step
     # pacing: at the new plan, even after profiling, nothing changes within 300 s of the last change
     for t in (150, 200, 250, 300):
@@ -162,7 +171,7 @@ def test_runtime_rightsizes_idle_cpu_and_memory_like_dlrover():
         evs += rt.observe(_obs(t, plan, 1e5, worker_cpu_util=[0.2] * 4, server_cpu_util=[[0.9] * 3],
                                worker_memory=[2 * GiB] * 4, step=t))
     ch = [e for e in evs if e.changes_plan][0]
-    after = JobPlan.from_dict(ch.plan_after)
+    after = PodPlan.from_dict(ch.plan_after)
     assert after.cpu_per_worker == 2  # ceil(0.2 * 8 * 1.25)
     assert after.memory_per_worker == pytest.approx(3 * GiB)  # 1.5 x the 2 GiB peak
     assert after.cpu_per_server == REQ.cpu_per_server  # busy servers keep their cores
@@ -186,7 +195,7 @@ def test_hot_server_over_three_samples_gets_more_cores_then_is_paced():
     st = InstabilityStage(JOB, LIMITS)
     ev = st.observe(_obs(0, REQ, 1e5, server_cpu_util=[[0.95, 0.92, 0.97]]))
     assert ev[0].action == "migrate_hot_server"
-    assert JobPlan.from_dict(ev[0].plan_after).cpu_per_server == 2 * REQ.cpu_per_server
+    assert PodPlan.from_dict(ev[0].plan_after).cpu_per_server == 2 * REQ.cpu_per_server
     assert st.observe(_obs(60, REQ, 1e5, server_cpu_util=[[0.95] * 3])) == []  # an hour between server changes
     assert st.observe(_obs(0, REQ, 1e5, server_cpu_util=[[0.95, 0.5, 0.97]])) == []
 
@@ -198,7 +207,7 @@ def test_predicted_memory_exhaustion_relaunches_with_double_memory_before_the_oo
     for step in (0, 1000, 2000, 3000):
         ev = st.observe(_obs(step, plan, 1e5, step=step, server_memory=[4 * GiB + step * 2**20]))
     assert ev[0].action == "relaunch_servers_more_memory"
-    assert JobPlan.from_dict(ev[0].plan_after).memory_per_server == 24 * GiB  # 16 + 8 (double, at most +8)
+    assert PodPlan.from_dict(ev[0].plan_after).memory_per_server == 24 * GiB  # 16 + 8 (double, at most +8)
     assert ev[0].prediction["peak_bytes"] > 16 * GiB
 
 
@@ -206,7 +215,7 @@ def test_an_oom_relaunches_the_worker_group_with_more_memory():
     st = InstabilityStage(JOB, LIMITS)
     ev = st.observe(_obs(0, REQ, None, oom_workers=[1], worker_memory=[8 * GiB] * 4))
     assert ev[0].action == "relaunch_workers_more_memory" and "ran out of memory" in ev[0].reason
-    assert JobPlan.from_dict(ev[0].plan_after).memory_per_worker == 16 * GiB
+    assert PodPlan.from_dict(ev[0].plan_after).memory_per_worker == 16 * GiB
 
 
 def test_pending_too_long_relaunches_smaller_a_bounded_number_of_times():
@@ -216,7 +225,7 @@ def test_pending_too_long_relaunches_smaller_a_bounded_number_of_times():
     for expected in (2, 1):
         ev = st.observe(Observation(0, plan, pending_s=1000))
         assert ev[0].action == "relaunch_smaller"
-        plan = JobPlan.from_dict(ev[0].plan_after)
+        plan = PodPlan.from_dict(ev[0].plan_after)
         assert plan.workers == expected
     assert st.observe(Observation(0, plan, pending_s=5000))[0].action == "hold"
 

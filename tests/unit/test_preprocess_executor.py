@@ -119,7 +119,7 @@ def test_from_arrow_errors():
     with pytest.raises(ValueError, match="C4"):
         RawBatch.from_arrow(rb.drop_columns(["C4"]), SMALL)
     labels = [pa.array([0, None, 1, 1], pa.int8()), pa.array([0, 2, 1, 1], pa.int8())]
-    for bad, msg in zip(labels, ["nulls", "not in"]):
+    for bad, msg in zip(labels, ["nulls", "not in"], strict=True):
         with pytest.raises(ValueError, match=msg):
             RawBatch.from_arrow(rb.set_column(0, pa.field("label", pa.int8()), bad), SMALL)
     with pytest.raises(TypeError, match="'I2'"):

@@ -29,7 +29,7 @@ EXECUTORS = ["eager", "fused", "fused_greedy", "fused_grouped", pytest.param("da
 DS = DatasetConfig(
     name="small",
     dense=[DenseFeature(name=f"I{i}") for i in (1, 2, 3)],
-    sparse=[SparseFeature(name=f"C{i}", cardinality=c) for i, c in zip((1, 2, 3, 4), (50, 7, 100_000, 3))],
+    sparse=[SparseFeature(name=f"C{i}", cardinality=c) for i, c in zip((1, 2, 3, 4), (50, 7, 100_000, 3), strict=True)],
 )
 
 
@@ -206,8 +206,9 @@ SCALAR_OPS = Plan.model_validate({"name": "scalar_ops", "features": [
     f("C2h", "sparse", "C2", ("fill_null", {}), ("sigrid_hash", {"M": 7}), ("cast", {"to": "float"}),
       ("bucketize", {"borders": [0.5, 2.5, 4.0]})),
     f("I1c", "sparse", "I1", ("fill_null", {}), ("cast", {"to": "id"}), ("clamp", {"lo": 0, "hi": 20})),
-    f("C3", "sparse", "C3", ("fill_null", {}), ("sigrid_hash", {"M": 2**16}), ("sigrid_hash", {"salt": -7, "M": 2**40 + 3}),
-      ("sigrid_hash", {"M": 100_000}), ("clamp", {"lo": 5, "hi": 90_000})),
+    f("C3", "sparse", "C3", ("fill_null", {}), ("sigrid_hash", {"M": 2**16}),
+      ("sigrid_hash", {"salt": -7, "M": 2**40 + 3}), ("sigrid_hash", {"M": 100_000}),
+      ("clamp", {"lo": 5, "hi": 90_000})),
     f("C4", "sparse", "C4", ("fill_null", {}), ("sigrid_hash", {"M": 1}), ("firstx", {"X": 1})),
     f("I2b", "sparse", "I2", ("fill_null", {}), ("bucketize", {"borders": [0.5, 1.0, 1.5]}), table_rows=64),
 ]})
@@ -246,7 +247,7 @@ def test_dali_falls_back_explicitly(caplog):
     with caplog.at_level(logging.WARNING):
         ex = make_executor("dali", ALL_OPS, DS)
     d = ex.describe()
-    assert d["fallback_by_op"]["onehot"] == 1 and d["fallback_by_op"]["boxcox"] == 2 and d["fallback_by_op"]["mapid"] == 1
+    assert (d["fallback_by_op"]["onehot"], d["fallback_by_op"]["boxcox"], d["fallback_by_op"]["mapid"]) == (1, 2, 1)
     assert "boxcox_dense" in d["fallback_reasons"] and d["dali_ops"] > 0
     assert "fall back to the fused executor" in caplog.text
     with caplog.at_level(logging.WARNING):

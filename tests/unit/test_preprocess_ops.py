@@ -207,7 +207,7 @@ def test_ngram_fixed_width(x, n):
     got = ops.ngram(torch.from_numpy(x), n)
     expected = [ref.ngram_ref(r, n) for r in x]
     assert got.shape[1] == (x.shape[1] - min(n, x.shape[1]) + 1) * min(n, x.shape[1])
-    for row, e in zip(got.numpy(), expected):
+    for row, e in zip(got.numpy(), expected, strict=True):
         np.testing.assert_array_equal(row, e)
 
 

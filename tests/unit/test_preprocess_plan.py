@@ -233,17 +233,19 @@ def test_widths_and_id_ranges_of_new_ops():
 
 
 def test_table_rows_override():
-    p = plan(feature("b", "sparse", "I1", ("fill_null", {}), ("bucketize", {"borders": [0.5, 1.0]})) | {"table_rows": 64})
+    bucketized = feature("b", "sparse", "I1", ("fill_null", {}), ("bucketize", {"borders": [0.5, 1.0]}))
+    p = plan(bucketized | {"table_rows": 64})
     assert p.tables() == [("b", 64)]
     with pytest.raises(pydantic.ValidationError, match="'b'.*smaller than the id range"):
-        plan(feature("b", "sparse", "I1", ("fill_null", {}), ("bucketize", {"borders": [0.5, 1.0]})) | {"table_rows": 2})
+        plan(bucketized | {"table_rows": 2})
     with pytest.raises(pydantic.ValidationError, match="'d'.*sparse features only"):
         plan(feature("d", "dense", "I1", ("fill_null", {})) | {"table_rows": 9})
 
 
 def test_with_table_cap():
     p = plan(feature("C1", "sparse", "C1", ("fill_null", {}), ("sigrid_hash", {"M": 5000})),
-             feature("b", "sparse", "I1", ("fill_null", {}), ("bucketize", {"borders": [0.5, 1.0]})) | {"table_rows": 900})
+             feature("b", "sparse", "I1", ("fill_null", {}), ("bucketize", {"borders": [0.5, 1.0]}))
+             | {"table_rows": 900})
     capped = p.with_table_cap(100)
     assert capped.tables() == [("C1", 100), ("b", 100)]
     assert p.with_table_cap(10**6) is p

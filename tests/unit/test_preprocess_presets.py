@@ -4,10 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recforge.config import CRITEO_KAGGLE_CARDINALITIES, criteo_kaggle_dataset
+from recforge.config import CRITEO_KAGGLE_CARDINALITIES, CRITEO_TERABYTE_CARDINALITIES, criteo_kaggle_dataset
 from recforge.preprocess.planning.plan import Plan, PlanError
 from recforge.preprocess.presets import PRESET_PLANS, load_plan, preset_dataset, preset_path
-from recforge.config import CRITEO_TERABYTE_CARDINALITIES
 
 
 def chain(plan: Plan, name: str) -> list[str]:
@@ -23,7 +22,8 @@ def test_presets_load_and_validate(name):
     assert set(p.sources()) <= set(ds.dense_names) | set(ds.sparse_names)
 
 
-@pytest.mark.parametrize("name,cards", [("plan0", CRITEO_KAGGLE_CARDINALITIES), ("plan1", CRITEO_TERABYTE_CARDINALITIES)])
+@pytest.mark.parametrize("name,cards", [("plan0", CRITEO_KAGGLE_CARDINALITIES),
+                                        ("plan1", CRITEO_TERABYTE_CARDINALITIES)])
 def test_plans_0_and_1(name, cards):
     p = load_plan(name, preset_dataset(name))
     assert p.dense_features() == [f"I{i}" for i in range(1, 14)]
@@ -132,8 +132,8 @@ def test_recom_proves_one_id_per_row_for_plans_without_firstx(name):
     """RECom's gather form needs one id per row; plans 2-3 hash / clamp some features without firstx. Over
     PreprocessModule's scalar columns that still holds; over an executor's possible list columns it does not."""
     from recforge.preprocess.module import PreprocessModule
-    from recforge.recom.errors import NotOneHotError
     from recforge.recom.columns.onehot import prove_one_hot
+    from recforge.recom.errors import NotOneHotError
 
     ds = preset_dataset(name)
     plan = load_plan(name, ds)

@@ -55,7 +55,8 @@ def _dmp(placements, rank):
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     from recforge.config import ModelConfig
-    from recforge.rap.mapping.milp import Placement, to_torchrec
+    from recforge.train.placement import Placement
+    from recforge.train.sharding import to_torchrec
     from recforge.train.model import EBC_PATH, build_dlrm
 
     torch.manual_seed(0)

@@ -22,8 +22,8 @@ from recforge.rap.mapping.milp import (
     rank_plan,
     solve,
     split_rank_plan,
-    to_torchrec,
 )
+from recforge.train.sharding import to_torchrec
 
 
 def _instance(seed: int, world: int, n_tables: int):

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from recforge.config import ModelConfig, PipelineConfig
 from recforge.preprocess.planning.compiler import FusedGroup, compile_plan
-from recforge.pipelines.rap_corun import measured_kernel_cost, plan_schedule, simulated_iteration_ms
+from recforge.rap.planning.job_schedule import measured_kernel_cost, plan_schedule, simulated_iteration_ms
 from recforge.rap.profiling.profile_job import (
     CPU_THRESHOLD,
     MAX_UNITS,

@@ -250,7 +250,7 @@ def test_offline_refuses_a_varying_number_of_ids_per_row():
 
 
 def test_plan_schedule_uses_a_stored_profile_else_one_stage(tmp_path):
-    from recforge.pipelines.rap_corun import plan_schedule
+    from recforge.rap.planning.job_schedule import plan_schedule
     from recforge.rap.profiling.profiler import ProfileKey, StageProfile
 
     model = ModelConfig(embedding_dim=8, dense_arch=[16, 8], over_arch=[16, 1])

@@ -1,10 +1,10 @@
-"""The simulator on the RAP artifact's published profile (RAP.md §3.3-3.4): plan 0, 4 GPUs, local batch 4096.
+"""The simulator on the RAP artifact's published profile (docs/rap.md): plan 0, 4 GPUs, local batch 4096.
 
 GPU 0 stage times 0.93, 1.92, 2.86, 0.99, 1.37 ms and capacities 24, 28, 52, 30, 64 proxy units; the artifact's
 table placement for 4 GPUs. Its XGBoost kernel predictor is not in the artifact's data, so kernel costs here are
-a launch + per-row model scaled to RAP.md's derived GPU-0 total (0.49 ms per iteration), and a proxy unit's time
-comes from RAP.md's grad_comm intensity C/tau = 1.2-1.5 (both ends tested). The artifact puts everything into the
-all-reduce window there; so must we.
+a launch + per-row model scaled to the artifact's derived GPU-0 total (0.49 ms per iteration), and a proxy unit's
+time comes from the artifact's grad_comm intensity C/tau = 1.2-1.5 (both ends tested). The artifact puts everything
+into the all-reduce window there; so must we.
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recforge.recom.frontend.capture import CaptureError, capture
 from recforge.recom.family import make_features, select_rows
+from recforge.recom.frontend.capture import CaptureError, capture
 from test_recom_columns_fixtures import eager, small_model
 
 
@@ -22,7 +22,8 @@ def test_dynamic_dims(model_and_capture):
                                                                     "multi_hot_3", "multi_hot_4", "multi_hot_5"))}
     assert batch == {cap.batch_symbol}
     jagged = [n for n in cap.input_names if "multi_hot" in n and not n.endswith("_lengths")]
-    assert len(jagged) == 7 and len({dims[n] for n in jagged}) == 7 and cap.batch_symbol not in {dims[n] for n in jagged}
+    jagged_dims = {dims[n] for n in jagged}
+    assert len(jagged) == 7 and len(jagged_dims) == 7 and cap.batch_symbol not in jagged_dims
     assert cap.batch_size == 8 and cap.export_s > 0
 
 

@@ -6,9 +6,9 @@ import warnings
 
 import torch
 
-from recforge.recom.frontend.capture import capture
 from recforge.recom.backend.column_compiler import compile_columns
 from recforge.recom.family import FamilySpec, build_model, make_features
+from recforge.recom.frontend.capture import capture
 
 SMALL = FamilySpec(bucketized=3, int_hash=2, string_hash=2, multi_hot=6, large_multi_hot=1, raw_id=2,
                    large_rows=300, num_dense=4, bottom=(8,), top=(16,), dims=(4, 8, 12, 32), seed=3)

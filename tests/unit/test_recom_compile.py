@@ -90,7 +90,7 @@ def test_static_batch_rejects_other_sizes():
     eager = build_inference("dlrm", dataset=DS)
     compiled = recom.compile(eager, raw_batch(DS, 8, seed=3), dynamic_batch=False, backend="export")
     assert check_against_eager(compiled, eager, raw_batch(DS, 8, seed=4), atol=1e-5) <= 1e-5
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="outside the compiled bounds"):
         compiled(*raw_batch(DS, 9, seed=4))
 
 

@@ -5,7 +5,14 @@ import pytest
 import torch
 
 from recforge.recom.family import (
-    FamilySpec, batch_of, build_model, fingerprint_strings, make_features, preset, scaled, select_rows,
+    FamilySpec,
+    batch_of,
+    build_model,
+    fingerprint_strings,
+    make_features,
+    preset,
+    scaled,
+    select_rows,
 )
 from recforge.recom.family.columns import BucketizedColumn, RawIdColumn, SafeMultiHotColumn
 from test_recom_columns_fixtures import SMALL, eager, small_model
@@ -37,7 +44,8 @@ def test_one_submodule_per_column_and_kinds():
     assert len(kinds) == SMALL.num_columns
     assert kinds.count("bucketized") == 3 and kinds.count("raw_id") == 2
     assert kinds.count("safe_multi_hot") == 3 and kinds.count("multi_hot") == 4  # 3 of 6 safe + 1 large
-    assert {c.bag.embedding_dim if hasattr(c, "bag") else 0 for c in m.embedding.columns.values()} - {0} <= {4, 8, 12, 32}
+    dims = {c.bag.embedding_dim if hasattr(c, "bag") else 0 for c in m.embedding.columns.values()}
+    assert dims - {0} <= {4, 8, 12, 32}
 
 
 def test_forward_on_a_request():

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recforge.recom.frontend.capture import capture
 from recforge.recom.family import make_features
+from recforge.recom.frontend.capture import capture
 from recforge.recom.frontend.identify import identify_columns
 from test_recom_columns_fixtures import SMALL, small_model
 from test_recom_fixtures import build_inference, raw_batch, small_dataset

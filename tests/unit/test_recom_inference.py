@@ -129,7 +129,8 @@ def test_refuses_a_table_smaller_than_the_plan_id_range():
     inf = build_inference("dlrm", dataset=ds)
     tables = [(name, rows - 1 if name == "C3" else rows) for name, rows in inf.preprocess.plan.tables()]
     small = InferenceModule(inf.preprocess, make_dlrm("dlrm", tables, len(ds.dense)))
-    with pytest.raises(UnsupportedModelError, match=r"feature 'C3': the plan makes ids in \[0, 50\) but table 't_C3' has 49"):
+    with pytest.raises(UnsupportedModelError,
+                       match=r"feature 'C3': the plan makes ids in \[0, 50\) but table 't_C3' has 49"):
         small.lowered()
 
 

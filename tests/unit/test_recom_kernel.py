@@ -96,7 +96,7 @@ class Layer:
 
     def args(self):
         weights = torch.zeros(self.w_off)
-        for r, w in zip(self.rows, self.weights):
+        for r, w in zip(self.rows, self.weights, strict=True):
             off = r[L.F["w_off"]]
             weights[off: off + w.numel()] = w.reshape(-1)
         return (self.inputs, weights, torch.tensor(self.fb or [0.0], dtype=torch.float64),

@@ -5,12 +5,12 @@ import pytest
 import torch
 from torch import nn
 
-from recforge.recom.frontend.capture import capture
 from recforge.recom.backend.column_compiler import compile_columns
-from recforge.recom.family import make_features
 from recforge.recom.columns.intervals import IntervalSet
 from recforge.recom.columns.passes import PassLog, drop_implied_filters, ids_range, merge_filters, optimize
 from recforge.recom.columns.program import Bucketize, Clamp, ColumnProgram, Mod, Remove, Replace, SigridHash, Src
+from recforge.recom.family import make_features
+from recforge.recom.frontend.capture import capture
 from test_recom_columns_fixtures import compiled_columns, small_model
 from test_recom_fixtures import build_inference, raw_batch, small_dataset
 
@@ -82,7 +82,8 @@ def test_bucketize_range_includes_k():
 
 def test_guards_dropped_only_when_implied():
     log = PassLog()
-    p = drop_implied_filters(_prog([Mod(10), Replace(IntervalSet.of((0, 9)), 0), Remove(IntervalSet.compare("ge", 0))]), log)
+    p = drop_implied_filters(
+        _prog([Mod(10), Replace(IntervalSet.of((0, 9)), 0), Remove(IntervalSet.compare("ge", 0))]), log)
     assert p.steps == (Mod(10),) and len(log.dropped) == 2
     # a guard narrower than the range is a real filter: kept
     p = drop_implied_filters(_prog([Mod(10), Replace(IntervalSet.of((0, 4)), 0)]), PassLog())
@@ -154,7 +155,8 @@ class _Broadcasting(nn.Module):
 
 
 def test_broadcasting_grid_ops_are_not_read_per_column():
-    from recforge.recom import check_against_eager, compile as recom_compile
+    from recforge.recom import check_against_eager
+    from recforge.recom import compile as recom_compile
 
     mod = _Broadcasting()
     x = torch.tensor([[3, 4], [5, 9], [0, 1]])

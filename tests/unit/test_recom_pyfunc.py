@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import recforge.recom as recom
+from recforge.recom.serving import register_compiled
 from recforge.tracking import TrackingStore
-from recforge.tracking.recom_models import compiled_name, load_compiled, register_compiled
+from recforge.tracking.recom_models import compiled_name, load_compiled
 from test_recom_fixtures import build_inference, raw_batch, small_dataset
 
 
@@ -27,12 +28,12 @@ def test_register_load_predict(recforge_home, tmp_path):
     batch = raw_batch(ds, 7, seed=3)
     names = compiled.input_names
     assert names == ["dense", "dense_valid", "sparse", "sparse_valid"]
-    got = pyfunc.predict({n: t.numpy() for n, t in zip(names, batch)})
+    got = pyfunc.predict({n: t.numpy() for n, t in zip(names, batch, strict=True)})
     with torch.no_grad():
         want = eager(*batch)
     torch.testing.assert_close(torch.as_tensor(got), want, rtol=0, atol=1e-5)
     with pytest.raises(KeyError, match="sparse_valid"):
-        pyfunc.predict({n: t.numpy() for n, t in zip(names[:3], batch)})
+        pyfunc.predict({n: t.numpy() for n, t in zip(names[:3], batch, strict=False)})  # sparse_valid left out
 
 
 def test_a_mismatching_model_is_not_registered(recforge_home, tmp_path):

@@ -5,8 +5,8 @@ import symengine as se
 import torch
 from torch.fx.interpreter import Interpreter
 
-from recforge.recom.frontend.capture import capture
 from recforge.recom.family import make_features
+from recforge.recom.frontend.capture import capture
 from recforge.recom.frontend.symshape import SymbolicShapes
 from test_recom_columns_fixtures import small_model
 from test_recom_fixtures import build_inference, raw_batch, small_dataset
@@ -36,7 +36,7 @@ def _shapes_agree(ep, ss, args):
         v = rec.seen.get(n.name)
         s = ss.shape.get(n)
         if isinstance(v, torch.Tensor) and isinstance(s, tuple):
-            for d, real in zip(s, v.shape):
+            for d, real in zip(s, v.shape, strict=True):
                 d = ss.canon(d)
                 if isinstance(d, se.Symbol) and d not in binding:
                     binding[d] = real
@@ -77,7 +77,7 @@ def test_one_id_per_bag_and_upper_bounds():
     assert sum(p is not None for p in proofs.values()) == 3  # the three bucketized EmbeddingBag([B, 1]) columns
     assert all(("bucketized" in k) == (p is not None) for k, p in proofs.items())
     # boolean indexing keeps at most as many elements as its mask: u <= n_values; unique <= its input
-    for sym, bound in ss.upper.items():
+    for sym in ss.upper:
         assert ss.upper_bound(sym).free_symbols <= {s for s in ss.upper_bound(sym).free_symbols
                                                      if str(s) == "B" or str(s).startswith("n_")}
     assert any(str(ss.upper_bound(s)).startswith("B + n_") or "+ B" in str(ss.upper_bound(s)) for s in ss.upper)

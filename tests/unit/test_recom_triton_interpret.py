@@ -204,7 +204,7 @@ def _main() -> int:
     checks = [random_layers, row_tiles, long_bags, sigrid_extremes, value_dtypes, bucketize_edges, strided_inputs,
               empty_bags, one_value_per_row_pooled, out_of_range_ids, unchecked_ids, empty_batch_and_no_columns]
     failed = 0
-    for name, check in zip(CASES, checks):
+    for name, check in zip(CASES, checks, strict=True):
         try:
             check()
             print("ok", name, flush=True)

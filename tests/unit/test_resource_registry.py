@@ -4,12 +4,12 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from recforge.elastic.optimizer import JobDescription, JobLimits, PodPlan, warm_start
 from recforge.elastic.optimizer.memory_model import GiB
-from recforge.elastic.optimizer.dlrover import JobDescription, JobLimits, JobPlan, warm_start
 from recforge.elastic.optimizer.throughput_model import Allocation, ThroughputModel
 
 MODEL = ThroughputModel(("const", "b_per_cpu", "w"), (0.01, 2e-4, 0.003), fit_mape=0.05, n_points=12)
-PLAN = JobPlan(3, 2.0, 4 * GiB, 512)
+PLAN = PodPlan(3, 2.0, 4 * GiB, 512)
 
 
 @pytest.fixture
@@ -22,7 +22,8 @@ def store(recforge_home):
 def test_a_registered_resource_model_loads_by_name_and_version_and_a_bad_plan_tag_is_reported(store):
     from mlflow.exceptions import MlflowException
 
-    from recforge.tracking.resource_models import load_resource_model, log_resource_model, registered_name
+    from recforge.elastic.optimizer.resource_store import log_resource_model
+    from recforge.tracking.resource_models import load_resource_model, registered_name
 
     name = registered_name("criteo_kaggle", "dlrm")
     runs = []
@@ -49,7 +50,8 @@ def test_a_registered_resource_model_loads_by_name_and_version_and_a_bad_plan_ta
 
 
 def _a_run_whose_plan_tag_is_not_json_still_gives_its_record_and_is_reported(store):
-    from recforge.tracking.resource_models import PLAN_TAG, MlflowHistory, log_resource_model
+    from recforge.elastic.optimizer.resource_store import MlflowHistory, log_resource_model
+    from recforge.tracking.resource_models import PLAN_TAG
 
     run_id = store.stage_run("exp", "k", "train")
     log_resource_model(store, run_id, model=MODEL, dataset="d", model_family="m", final_plan=PLAN.to_dict())
@@ -58,5 +60,5 @@ def _a_run_whose_plan_tag_is_not_json_still_gives_its_record_and_is_reported(sto
     (rec,) = hist.similar("d", "m")
     assert rec.final_plan == PLAN.to_dict() and rec.model.coef == MODEL.coef  # the record.json still has both
     assert hist.problems == [f"run {run_id}: tag {PLAN_TAG} is not JSON"]
-    ws = warm_start(JobDescription("d", "m", JobPlan(1, 1.0, GiB, 512)), hist, JobLimits(cpu=16, memory=64 * GiB))
+    ws = warm_start(JobDescription("d", "m", PodPlan(1, 1.0, GiB, 512)), hist, JobLimits(cpu=16, memory=64 * GiB))
     assert ws.events[0].action == "initial_plan" and ws.events[0].inputs["history_problems"] == hist.problems

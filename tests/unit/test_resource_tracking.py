@@ -6,14 +6,14 @@ import json
 import pandas as pd
 import pytest
 
+from recforge.elastic.optimizer import JobDescription, JobLimits, PodPlan, warm_start
 from recforge.elastic.optimizer.history import History
 from recforge.elastic.optimizer.memory_model import GiB, MemoryModel
-from recforge.elastic.optimizer.dlrover import JobDescription, JobLimits, JobPlan, warm_start
 from recforge.elastic.optimizer.throughput_model import Allocation, Sample, ThroughputModel
 
 MODEL = ThroughputModel(("const", "b_per_cpu", "w"), (0.01, 2e-4, 0.003), fit_mape=0.05, n_points=12)
 MEM = MemoryModel(0.5 * GiB, 2.0, 10.0)
-PLAN = JobPlan(3, 2.0, 4 * GiB, 512)
+PLAN = PodPlan(3, 2.0, 4 * GiB, 512)
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def store(recforge_home):
 
 
 def _logged_run(store, dataset="criteo_kaggle", family="dlrm"):
-    from recforge.tracking.resource_models import log_resource_model
+    from recforge.elastic.optimizer.resource_store import log_resource_model
 
     run_id = store.stage_run("test_exp", "k1", f"train-{dataset}-{family}")
     pts = [Sample(Allocation(w, 1.0, 512), MODEL.predict(Allocation(w, 1.0, 512)) * 1.03) for w in (1, 2, 3)]
@@ -55,7 +55,7 @@ def test_logged_pyfunc_answers_what_would_8_workers_give(store):
 
 
 def test_history_reads_models_back_and_stage1_uses_them(store):
-    from recforge.tracking.resource_models import MlflowHistory
+    from recforge.elastic.optimizer.resource_store import MlflowHistory
 
     _logged_run(store)
     _logged_run(store, dataset="wide400")
@@ -65,13 +65,14 @@ def test_history_reads_models_back_and_stage1_uses_them(store):
     assert len(recs) == 1 and recs[0].model.coef == MODEL.coef and recs[0].memory.emb_factor == 2.0
     assert recs[0].final_plan == PLAN.to_dict() and not hist.problems
     assert hist.similar("criteo_kaggle", "dlrm_dcn") == []
-    job = JobDescription("criteo_kaggle", "dlrm", JobPlan(1, 1.0, 2 * GiB, 512), total_samples=1e6, host_cores=None)
+    job = JobDescription("criteo_kaggle", "dlrm", PodPlan(1, 1.0, 2 * GiB, 512), total_samples=1e6, host_cores=None)
     ws = warm_start(job, hist, JobLimits(cpu=16, memory=64 * GiB))
     assert ws.events[0].action == "initial_plan" and ws.prior.coef == MODEL.coef
 
 
 def test_corrupt_or_missing_model_artifact_keeps_the_plan_and_reports_it(store, tmp_path):
-    from recforge.tracking.resource_models import RECORD_FILE, MlflowHistory
+    from recforge.elastic.optimizer.resource_store import MlflowHistory
+    from recforge.tracking.resource_models import RECORD_FILE
 
     run_id, _ = _logged_run(store)
     bad = tmp_path / "record.json"
@@ -81,7 +82,7 @@ def test_corrupt_or_missing_model_artifact_keeps_the_plan_and_reports_it(store, 
     recs = hist.similar("criteo_kaggle", "dlrm")
     assert recs[0].model is None and recs[0].final_plan == PLAN.to_dict()
     assert RECORD_FILE in hist.problems[0] and "corrupt" in hist.problems[0]
-    job = JobDescription("criteo_kaggle", "dlrm", JobPlan(1, 1.0, 2 * GiB, 512))
+    job = JobDescription("criteo_kaggle", "dlrm", PodPlan(1, 1.0, 2 * GiB, 512))
     ws = warm_start(job, hist, JobLimits(cpu=16, memory=64 * GiB))
     assert ws.plan.workers == PLAN.workers and "no usable fitted model" in ws.events[0].reason
 

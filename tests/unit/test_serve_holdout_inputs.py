@@ -1,7 +1,6 @@
 """The compile stage's example and check inputs come from the held-out day, across its shards."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -9,7 +8,8 @@ import pytest
 from recforge.config import PipelineConfig
 from recforge.data import generate_days, ingest
 from recforge.data.shards import read_rows
-from recforge.pipelines.context import RunContext
+from recforge.pipelines.context import RunContext, StageWriter
+from recforge.pipelines.outputs import IngestOutputs, SplitOutputs
 from recforge.pipelines.serve_stages import _holdout_inputs
 from recforge.preprocess.batch import RawBatch
 
@@ -17,11 +17,12 @@ from recforge.preprocess.batch import RawBatch
 def _context(tmp_path, rows: int, rows_per_shard: int) -> RunContext:
     ctx = RunContext.create("holdout", PipelineConfig(rows_per_day=rows), home=tmp_path / "home")
     days = generate_days(ctx.config.dataset(), tmp_path / "raw", days=1, rows_per_day=rows, seed=5)
-    ingest([Path(f) for f in days.files], ctx.config.dataset(), tmp_path / "holdout",
-           rows_per_shard=rows_per_shard, max_bad_fraction=0.0)
-    out = ctx.stage_dir("ingest")
-    out.mkdir(parents=True)
-    (out / "outputs.json").write_text(json.dumps({"holdout": {"manifest_dir": str(tmp_path / "holdout")}}))
+    manifest = ingest([Path(f) for f in days.files], ctx.config.dataset(), tmp_path / "holdout",
+                      rows_per_shard=rows_per_shard, max_bad_fraction=0.0)
+    split = SplitOutputs(manifest_dir=str(tmp_path / "holdout"), rows=manifest.total_rows, quarantined=0,
+                         shards=len(manifest.shards))
+    StageWriter(ctx, "ingest").commit(IngestOutputs(train=split, holdout=split, rows_ingested=2 * split.rows,
+                                                    rows_quarantined=0))
     return ctx
 
 

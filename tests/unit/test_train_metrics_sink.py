@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from recforge.train.metrics_sink import AsyncMetricsSink, tracking_log_fn
+from recforge.train.metrics_sink import AsyncMetricsSink
 
 
 def test_metrics_are_logged_in_order_and_flushed_on_close():
@@ -39,6 +39,8 @@ def test_a_failing_store_is_reported_once_and_never_raises(caplog):
     assert not sink.log_now({"x": 1.0}, 9) and attempts == [0, 9]
 
 
-def test_tracking_log_fn_is_recforge_tracking():
+def test_the_workers_tracking_log_fn_is_recforge_tracking():
+    from recforge.worker.trainer import tracking_log_fn
+
     fn = tracking_log_fn()
     assert fn is not None and fn.__module__ == "recforge.tracking.metrics"

@@ -40,7 +40,7 @@ MIX_DENSE, MIX_BATCH, MIX_DIM = 3, 4, 8
 
 
 def _mix_placements():
-    from recforge.rap.mapping.milp import Placement
+    from recforge.train.placement import Placement
 
     return {"C1": Placement("table_wise", (1,)), "C2": Placement("column_wise", (0, 1)),
             "C3": Placement("data_parallel", (0, 1)), "C4": Placement("table_wise", (0,))}
@@ -162,7 +162,7 @@ def _check(placements, world=2, **train):
 
 
 def test_placement_checks_name_the_table():
-    from recforge.rap.mapping.milp import Placement
+    from recforge.train.placement import Placement
 
     tw, cw, dp = Placement("table_wise", (1,)), Placement("column_wise", (0, 1)), Placement("data_parallel", (0, 1))
     _check({"C1": tw, "C2": cw, "C3": dp})

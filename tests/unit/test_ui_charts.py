@@ -1,5 +1,6 @@
 """Chart geometry for the RecForge page: Gantt bars where a plain linear mapping puts them, bad schedules named."""
 import math
+from itertools import pairwise
 
 import pytest
 
@@ -17,7 +18,7 @@ def test_gantt_bars_follow_a_linear_time_axis():
     g = charts.gantt({"unit": "ms", "tasks": TASKS})
     lo, hi = 2.0, 22.0
     plot_w = charts.WIDTH - charts.LABEL_W - charts.PAD
-    for task, bar in zip(TASKS, g["bars"]):
+    for task, bar in zip(TASKS, g["bars"], strict=True):
         x0 = charts.LABEL_W + (task["start"] - lo) / (hi - lo) * plot_w
         x1 = charts.LABEL_W + (task["end"] - lo) / (hi - lo) * plot_w
         assert bar["x"] == pytest.approx(x0, abs=0.01) and bar["w"] == pytest.approx(x1 - x0, abs=0.01)
@@ -53,7 +54,7 @@ def test_bad_schedules_are_named(schedule, message):
 def test_ticks_cover_the_range_with_even_round_steps(lo, hi):
     t = charts.ticks(lo, hi)
     assert 2 <= len(t) <= 11 and lo <= t[0] and t[-1] <= hi
-    steps = {round(b - a, 9) for a, b in zip(t, t[1:])}
+    steps = {round(b - a, 9) for a, b in pairwise(t)}
     assert len(steps) == 1
     step = steps.pop()
     assert t[0] - lo < step + 1e-9 and hi - t[-1] < step + 1e-9
@@ -66,7 +67,7 @@ def test_step_series_draws_a_step_line_through_every_point():
     points = [tuple(map(float, p.split(","))) for p in s["polyline"].split()]
     # sorted by time; each change is a horizontal then a vertical segment; the last value runs to the end
     assert len(points) == 2 * 3
-    assert all(a[0] <= b[0] for a, b in zip(points, points[1:]))
+    assert all(a[0] <= b[0] for a, b in pairwise(points))
     assert points[-1][0] == pytest.approx(charts.WIDTH - charts.STEP_PAD) and points[-1][1] == points[-2][1]
     assert [d["title"] for d in s["dots"]] == ["0 s: workers 2", "10 s: workers 2", "30 s: workers 3"]
     assert all(t["label"].endswith(" s") for t in s["x_ticks"])

@@ -9,6 +9,17 @@ from fastapi.testclient import TestClient
 
 from recforge.config import PipelineConfig, dataset_preset
 from recforge.pipelines.context import EXPERIMENT, RunContext, StageWriter
+from recforge.pipelines.outputs import (
+    CompileOutputs,
+    EvaluateOutputs,
+    GenerateOutputs,
+    IngestOutputs,
+    PlanOutputs,
+    PublishOutputs,
+    SplitOutputs,
+    StageOutputs,
+    TrainOutputs,
+)
 from recforge.preprocess.planning.plan import criteo_plan
 from recforge.tracking import TrackingStore
 from recforge.ui.app import create_app
@@ -20,11 +31,23 @@ MLFLOW = "http://mlflow.example:5000"
 COMPLETE, PARTIAL, CORRUPT, EMPTY = "manual__2026-01-02T00_00_00_00_00", "partial_run", "corrupt_run", "queued_run"
 
 
-def _write(ctx: RunContext, stage: str, outputs: dict, files: dict | None = None) -> dict:
-    w = StageWriter(ctx, stage)
-    for name, text in (files or {}).items():
-        (w.tmp / name).write_text(text)
-    return w.commit(outputs)
+def _write(ctx: RunContext, outputs: StageOutputs) -> StageOutputs:
+    return StageWriter(ctx, outputs.stage).commit(outputs)
+
+
+def _write_raw(ctx: RunContext, stage: str, text: str) -> None:
+    """An outputs.json as an older or broken writer left it (the page must cope)."""
+    ctx.stage_dir(stage).mkdir(parents=True)
+    (ctx.stage_dir(stage) / "outputs.json").write_text(text)
+
+
+def _split(rows: int, quarantined: int = 0, shards: int = 1) -> SplitOutputs:
+    return SplitOutputs(manifest_dir="unused", rows=rows, quarantined=quarantined, shards=shards)
+
+
+def _job() -> dict:
+    return {"exit_code": 0, "plan": {"workers": 2, "threads_per_worker": 1}, "finished": True, "tasks_done": 4,
+            "samples": 3000, "per_worker": {}, "poisoned": [], "master_state": {}}
 
 
 def _stage_runs(store: TrackingStore, ctx: RunContext, stages, status="FINISHED") -> dict:
@@ -43,11 +66,10 @@ def _complete_run(home, store: TrackingStore) -> dict:
 
     ctx = RunContext.create(COMPLETE, PipelineConfig(rows_per_day=3000, seed=7, table_cap=5000), home=home)
     ids = _stage_runs(store, ctx, ["generate", "ingest", "plan_resources", "train", "evaluate", "compile", "publish"])
-    _write(ctx, "generate", {"files": ["day_0.tsv", "day_1.tsv"], "bayes_auc": [0.79, 0.78], "synthetic": True,
-                             "mlflow_run_id": ids["generate"]})
-    _write(ctx, "ingest", {"train": {"rows": 3000, "quarantined": 2, "shards": 1},
-                           "holdout": {"rows": 3000, "quarantined": 0, "shards": 1},
-                           "rows_ingested": 6000, "rows_quarantined": 2, "mlflow_run_id": ids["ingest"]})
+    _write(ctx, GenerateOutputs(files=["day_0.tsv", "day_1.tsv"], bayes_auc=[0.79, 0.78], synthetic=True,
+                                mlflow_run_id=ids["generate"]))
+    _write(ctx, IngestOutputs(train=_split(3000, 2), holdout=_split(3000), rows_ingested=6000, rows_quarantined=2,
+                              mlflow_run_id=ids["ingest"]))
     plan = json.loads(criteo_plan(dataset_preset("criteo_kaggle"), 5000).model_dump_json())
     plan["features"][0]["name"] = EVIL  # a hostile plan file: the page must escape what it reads
     schedule = {"unit": "ms", "tasks": [
@@ -56,11 +78,11 @@ def _complete_run(home, store: TrackingStore) -> dict:
         {"name": "train step", "lane": "gpu0", "start": 4, "end": 10, "kind": "train"}]}
     w = StageWriter(ctx, "plan_resources")
     (w.tmp / "preprocess_plan.json").write_text(json.dumps(plan))
-    w.commit({"plan_path": str(w.tmp / "preprocess_plan.json"), "workers": 2, "threads_per_worker": 1,
-              "tables": [["C1", 5000]], "num_dense": 13, "dlrover": None, "rap_schedule": schedule,
-              "fusion": {"method": "milp", "objective": 1370, "launches": 3,
-                         "groups": ["L0:fill_null_densex13", f"L1:{EVIL}", "L2:firstx_sparsex26"]},
-              "mlflow_run_id": ids["plan_resources"]})
+    w.commit(PlanOutputs(plan_path=str(w.tmp / "preprocess_plan.json"), workers=2, threads_per_worker=1,
+                         tables=[("C1", 5000)], num_dense=13, preprocess_executor="fused", rap_schedule=schedule,
+                         fusion={"method": "milp", "objective": 1370, "launches": 3,
+                                 "groups": ["L0:fill_null_densex13", f"L1:{EVIL}", "L2:firstx_sparsex26"]},
+                         mlflow_run_id=ids["plan_resources"]))
     events = [Event("warm_start", "initial_plan", "no history: " + EVIL, plan_after={"workers": 2}, time_s=100.0),
               Event("runtime", "add_worker", "throughput below the model", plan_before={"workers": 2},
                     plan_after={"workers": 3}, time_s=130.0)]
@@ -75,21 +97,22 @@ def _complete_run(home, store: TrackingStore) -> dict:
     store.log_figure(ids["train"], fig, "resource_model/predicted_vs_measured.png")
     plt.close(fig)
     store.log_metrics(ids["train"], {"final_train_loss": 0.52, "resource_model.fit_mape": 0.07})
-    _write(ctx, "train", {"samples_per_s": 4800.5, "steps": 8, "wall_s": 9.5, "world_size": 2,
-                          "mlflow_run_id": ids["train"]})
-    _write(ctx, "evaluate", {"auc": 0.70, "logloss": 0.55, "ne": 0.97, "rows": 3000.0, "auc_ceiling": 0.78,
-                             "mlflow_run_id": ids["evaluate"]})
-    _write(ctx, "compile", {"artifact": "inference.pt2", "mlflow_run_id": ids["compile"], "report": {
+    _write(ctx, TrainOutputs(checkpoint_dir="unused", samples_per_s=4800.5, steps=8, wall_s=9.5, world_size=2,
+                             samples_trained=[3000], job=_job(), mlflow_run_id=ids["train"]))
+    _write(ctx, EvaluateOutputs(auc=0.70, logloss=0.55, ne=0.97, rows=3000, auc_ceiling=0.78,
+                                mlflow_run_id=ids["evaluate"]))
+    _write(ctx, CompileOutputs(artifact="inference.pt2", mlflow_run_id=ids["compile"], report={
         "backend": EVIL_IMG, "num_columns": 26, "num_tables": 26, "ops_eager": 78, "ops_compiled": 83,
         "max_abs_diff": 1.5e-7, "atol": 1e-5, "within_tolerance": True, "eager_median_ms": 1.0,
-        "compiled_median_ms": 0.25, "speedup": 4.0, "latency": {"batch_size": 64, "threads": 1},
-        "signature_groups": {"sigrid_hash|sum|rows|dim<=16": 26}, "new_field_from_a_later_issue": EVIL}})
+        "compiled_median_ms": 0.25, "speedup": 4.0,
+        "latency": {"batch_size": 64, "threads": 1, "eager": {"median_ms": 1.0}, "compiled": {"median_ms": 0.25}},
+        "signature_groups": {"sigrid_hash|sum|rows|dim<=16": 26}, "new_field_from_a_later_issue": EVIL}))
     client = store.client
     client.create_registered_model("recforge-dlrm")
     mv = client.create_model_version("recforge-dlrm", source=f"runs:/{ids['publish']}/model", run_id=ids["publish"])
     client.set_registered_model_alias("recforge-dlrm", "champion", mv.version)
-    _write(ctx, "publish", {"model_name": "recforge-dlrm", "version": str(mv.version), "promoted": True,
-                            "reason": EVIL, "pipeline_run_id": ids["pipeline"], "mlflow_run_id": ids["publish"]})
+    _write(ctx, PublishOutputs(model_name="recforge-dlrm", version=str(mv.version), promoted=True, reason=EVIL,
+                               pipeline_run_id=ids["pipeline"], mlflow_run_id=ids["publish"]))
     return ids
 
 
@@ -98,8 +121,9 @@ def _partial_run(home, store: TrackingStore) -> dict:
     ids = _stage_runs(store, ctx, ["generate", "ingest"])
     ids["plan_resources"] = store.stage_run(EXPERIMENT, ctx.run_key, "plan_resources")
     store.finish(ids["plan_resources"], ok=False)
-    _write(ctx, "generate", {"files": [], "bayes_auc": None, "synthetic": False, "mlflow_run_id": ids["generate"]})
-    _write(ctx, "ingest", {"train": {"rows": 10}, "holdout": {"rows": 5}, "mlflow_run_id": ids["ingest"]})
+    _write(ctx, GenerateOutputs(files=[], synthetic=False, mlflow_run_id=ids["generate"]))
+    _write(ctx, IngestOutputs(train=_split(10), holdout=_split(5), rows_ingested=15, rows_quarantined=0,
+                              mlflow_run_id=ids["ingest"]))
     return ids
 
 
@@ -109,9 +133,8 @@ def site(tmp_path_factory):
     store = TrackingStore(f"sqlite:///{home / 'mlflow' / 'mlflow.db'}", home / "mlflow" / "artifacts")
     ids = {PARTIAL: _partial_run(home, store), COMPLETE: _complete_run(home, store)}
     corrupt = RunContext.create(CORRUPT, {}, home=home)
-    _write(corrupt, "generate", {"files": []})
-    (corrupt.stage_dir("ingest")).mkdir(parents=True)
-    (corrupt.stage_dir("ingest") / "outputs.json").write_text("{not json")
+    _write(corrupt, GenerateOutputs(files=[], synthetic=False))
+    _write_raw(corrupt, "ingest", "{not json")
     RunContext.create(EMPTY, {}, home=home).run_dir.mkdir(parents=True)
     exp = store.client.get_experiment_by_name(EXPERIMENT).experiment_id
     app = create_app(allow_anonymous=True, home=home, tracking_uri=store.tracking_uri, mlflow_url=MLFLOW)
@@ -256,20 +279,26 @@ def test_mlflow_url_must_be_http(url):
         mlflow_base(url)
 
 
-def test_outputs_in_unexpected_shapes_cost_their_section_not_the_page(tmp_path):
+def test_outputs_that_do_not_validate_are_reported_with_their_fields_and_shown_raw(tmp_path):
     ctx = RunContext.create("odd_shapes", {}, home=tmp_path)
-    _write(ctx, "generate", {"files": 5, "bayes_auc": 3, "synthetic": True})
-    _write(ctx, "evaluate", {"auc": "high", "auc_ceiling": None})
-    _write(ctx, "compile", {"report": {"latency": "fast", "signature_groups": 5, "speedup": [2]}})
-    _write(ctx, "publish", {"model_name": ["x"], "version": {"v": 1}, "reason": EVIL})
+    _write_raw(ctx, "generate", json.dumps({"files": 5, "bayes_auc": 3, "synthetic": True}))
+    _write_raw(ctx, "evaluate", json.dumps({"auc": "high", "auc_ceiling": None}))
+    _write_raw(ctx, "compile", json.dumps({"report": {"latency": "fast", "signature_groups": 5, "speedup": [2]}}))
+    _write_raw(ctx, "publish", json.dumps({"model_name": ["x"], "version": {"v": 1}, "reason": EVIL}))
     blocker = tmp_path / "no_mlflow"
     blocker.write_text("")
     client = TestClient(create_app(allow_anonymous=True, home=tmp_path, mlflow_url=MLFLOW,
                                    tracking_uri=f"sqlite:///{blocker}/mlflow.db"))
     body = client.get("/runs/odd_shapes").text
     _escaped_everywhere(body)
-    assert 'data-stage="compile" data-state="done"' in body
-    assert "data section: recorded outputs not understood (TypeError" in body
-    assert "compile/outputs.json" in body and "publish/outputs.json" in body
+    for stage in ("generate", "evaluate", "compile", "publish"):
+        assert f'data-stage="{stage}" data-state="unreadable"' in body
+        assert f"{stage}/outputs.json" in body  # what the stage recorded still shows, raw
+    assert "generate: outputs.json does not hold GenerateOutputs: files: Input should be a valid list" in body
+    assert "evaluate: outputs.json does not hold EvaluateOutputs: auc: Input should be a valid number" in body
+    assert "logloss: Field required" in body and "report.latency: Input should be a valid dictionary" in body
+    assert "publish: outputs.json does not hold PublishOutputs: model_name: Input should be a valid string" in body
+    assert "No data recorded yet" in body and "Not evaluated yet" in body and "Not compiled yet" in body
     index = client.get("/")
     assert index.status_code == 200 and 'data-run-key="odd_shapes"' in index.text
+    assert "0/7 stages (next: generate)" in index.text.split('data-run-key="odd_shapes"')[1].split("</tr>")[0]

@@ -1,7 +1,7 @@
 // sigrid_hash's 64-bit mixing, bit-exact with TorchArrow/Velox (folly's twang_mix64 and Hash128to64).
-// Shared by the fused preprocessing kernels (fused_cpu.cpp) and the RECom embedding op (embedding_cpu.py,
-// which inlines this file into its source), so the two can never hash an id differently.
-#ifndef RECFORGE_SIGRID_HASH_H  // a guard, not #pragma once: embedding_cpu.py makes this text part of a main file
+// Shared by the fused preprocessing kernels (fused_cpu.cpp) and the RECom embedding op (embedding_cpu.cpp), so
+// the two can never hash an id differently.
+#ifndef RECFORGE_SIGRID_HASH_H
 #define RECFORGE_SIGRID_HASH_H
 #include <cstdint>
 

@@ -6,11 +6,6 @@ Criteo's missing rates and cardinalities the same way.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Literal
-
-import yaml
 from pydantic import Field, model_validator
 
 from recforge.config.base import StrictModel
@@ -49,7 +44,7 @@ class DatasetConfig(StrictModel):
     positive_rate: float = Field(0.25, gt=0.0, lt=1.0)
 
     @model_validator(mode="after")
-    def _unique_names(self) -> "DatasetConfig":
+    def _unique_names(self) -> DatasetConfig:
         names = [self.label] + [f.name for f in self.dense] + [f.name for f in self.sparse]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -75,7 +70,7 @@ def criteo_kaggle_dataset() -> DatasetConfig:
         dense=[DenseFeature(name=f"I{i + 1}", missing_rate=m) for i, m in enumerate(CRITEO_DENSE_MISSING)],
         sparse=[
             SparseFeature(name=f"C{i + 1}", cardinality=c, missing_rate=m)
-            for i, (c, m) in enumerate(zip(CRITEO_KAGGLE_CARDINALITIES, CRITEO_SPARSE_MISSING))
+            for i, (c, m) in enumerate(zip(CRITEO_KAGGLE_CARDINALITIES, CRITEO_SPARSE_MISSING, strict=True))
         ],
     )
 
@@ -110,7 +105,7 @@ def criteo_terabyte_dataset() -> DatasetConfig:
         name="criteo_terabyte",
         dense=ds.dense,
         sparse=[SparseFeature(name=f.name, cardinality=c, missing_rate=f.missing_rate)
-                for f, c in zip(ds.sparse, CRITEO_TERABYTE_CARDINALITIES)],
+                for f, c in zip(ds.sparse, CRITEO_TERABYTE_CARDINALITIES, strict=True)],
     )
 
 

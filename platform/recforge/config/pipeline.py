@@ -6,11 +6,10 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from recforge.config.base import StrictModel
-from recforge.config.datasets import DATASET_PRESETS, DatasetConfig
-
+from recforge.config.datasets import DATASET_PRESETS, DatasetConfig, dataset_preset
 
 
 class ModelConfig(StrictModel):
@@ -22,7 +21,7 @@ class ModelConfig(StrictModel):
     dcn_low_rank_dim: int = Field(8, ge=1)
 
     @model_validator(mode="after")
-    def _shapes(self) -> "ModelConfig":
+    def _shapes(self) -> ModelConfig:
         if self.dense_arch[-1] != self.embedding_dim:
             raise ValueError(
                 f"dense_arch: last layer ({self.dense_arch[-1]}) must equal embedding_dim ({self.embedding_dim})"
@@ -74,24 +73,29 @@ class CorunConfig(StrictModel):
     stage: Literal["emb_fwd", "mlp_fwd", "mlp_bwd", "emb_bwd", "allreduce"] = Field(
         "mlp_bwd", description="without a stored stage profile: the training stage every fused kernel starts in")
     profile_dir: str | None = Field(None, description="stored RAP stage profiles (default $RECFORGE_HOME/rap/profiles)")
-    mapping: bool = Field(True, description="RAP's mapping (2+ workers): tables placed by the mapping MILP, each table's ids "
-                          "preprocessed on its owner over the global batch, no input all-to-all (recforge.rap.mapping.mapped_input)")
+    mapping: bool = Field(True, description="RAP's mapping (2+ workers): tables placed by the mapping MILP, each "
+                          "table's ids preprocessed on its owner over the global batch, no input all-to-all "
+                          "(recforge.rap.mapping.mapped_input)")
 
 
 class PipelineConfig(StrictModel):
     """One daily pipeline run; the DAG's Params map onto these fields."""
 
     dataset_preset: str = "criteo_kaggle"
-    source_dir: str | None = Field(None, description="raw day files (day_*.tsv[.gz]) to ingest; None generates synthetic days")
+    source_dir: str | None = Field(
+        None, description="raw day files (day_*.tsv[.gz]) to ingest; None generates synthetic days")
     rows_per_day: int = Field(200_000, ge=100)
     train_days: int = Field(1, ge=1, description="days trained on; one more day is held out for evaluation")
     seed: int = 0
-    table_cap: int = Field(100_000, ge=1, description="embedding rows per table: sigrid_hash modulus is min(cardinality, cap)")
+    table_cap: int = Field(
+        100_000, ge=1, description="embedding rows per table: sigrid_hash modulus is min(cardinality, cap)")
     rows_per_shard: int = Field(50_000, ge=1)
     max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
-    champion_margin: float = Field(0.005, ge=0.0, description="AUC a new model may lose against the champion and still be promoted")
+    champion_margin: float = Field(
+        0.005, ge=0.0, description="AUC a new model may lose against the champion and still be promoted")
     preprocess_executor: Literal["eager", "fused", "dali"] = Field(
-        "fused", description="preprocessing executor of the training workers (recforge.preprocess.executor.make_executor)")
+        "fused",
+        description="preprocessing executor of the training workers (recforge.preprocess.executor.make_executor)")
     preprocess_plan: str = Field(
         "criteo", description="preprocessing plan: 'criteo' (RAP plan 0 over the dataset, tables capped by table_cap), "
         "a preset 'plan0'..'plan3', or a plan file path (.json/.yaml)")

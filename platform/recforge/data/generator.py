@@ -39,7 +39,8 @@ CALIBRATION_ROWS = 16384
 DENSE_CAP = 10**9
 # byte value -> its two lowercase hex digits, as a uint16 whose memory holds them in order
 _HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
-_BYTE_TO_HEX = np.stack([_HEX_DIGITS[np.arange(256) >> 4], _HEX_DIGITS[np.arange(256) & 15]], axis=1).copy().view(np.uint16).ravel()
+_BYTE_TO_HEX = (np.stack([_HEX_DIGITS[np.arange(256) >> 4], _HEX_DIGITS[np.arange(256) & 15]], axis=1)
+                .copy().view(np.uint16).ravel())
 _WRITE_OPTS = pacsv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
 
 
@@ -184,12 +185,12 @@ def _draw(dataset: DatasetConfig, model: _HiddenModel, rng: np.random.Generator,
             z += np.where(miss, 0.0, term)
     sparse = np.zeros((n_s, n), dtype=np.uint32)
     sparse_missing = np.zeros((n_s, n), dtype=bool)
-    for j, feat in enumerate(dataset.sparse):
+    for j, sparse_feat in enumerate(dataset.sparse):
         k, a = float(model.k[j]), model.zipf_a[j]
         u = rng.random(n)
         x = (1.0 - u * (1.0 - (k + 1.0) ** (1.0 - a))) ** (1.0 / (1.0 - a))
         ranks = np.minimum(x.astype(np.int64) - 1, int(k) - 1)
-        miss = rng.random(n) < feat.missing_rate
+        miss = rng.random(n) < sparse_feat.missing_rate
         eff = model.effects[j]
         top = eff.size - 2
         idx = np.where(miss, top + 1, np.minimum(ranks, top))
@@ -211,8 +212,8 @@ def _hex_column(values: np.ndarray, missing: np.ndarray) -> pa.Array:
 
 def _format_chunk(dataset: DatasetConfig, labels, dense, dense_missing, sparse, sparse_missing) -> bytes:
     arrays = [pa.array(labels.astype(np.int8))]
-    arrays += [pa.array(x, mask=m) for x, m in zip(dense, dense_missing)]
-    arrays += [_hex_column(x, m) for x, m in zip(sparse, sparse_missing)]
+    arrays += [pa.array(x, mask=m) for x, m in zip(dense, dense_missing, strict=True)]
+    arrays += [_hex_column(x, m) for x, m in zip(sparse, sparse_missing, strict=True)]
     names = [dataset.label, *dataset.dense_names, *dataset.sparse_names]
     sink = io.BytesIO()
     pacsv.write_csv(pa.Table.from_arrays(arrays, names=names), sink, _WRITE_OPTS)
@@ -283,5 +284,5 @@ def generate_days(
         positive_rate=rates,
         bayes_auc=aucs,
         cardinality_scale=cardinality_scale,
-        id_space={f.name: int(k) for f, k in zip(dataset.sparse, model.k)},
+        id_space={f.name: int(k) for f, k in zip(dataset.sparse, model.k, strict=True)},
     )

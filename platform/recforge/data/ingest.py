@@ -6,16 +6,18 @@ success, so a failed run leaves no partial output and a re-run replaces the prev
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from recforge.config import DatasetConfig
 from recforge.data.errors import DataError
@@ -67,6 +69,7 @@ class ShardWriter:
         while self._buffered >= self.row_group_rows or (final and self._buffered):
             table = pa.Table.from_batches(self._buffer, schema=self.schema)
             n = min(self.row_group_rows, table.num_rows)
+            assert self._writer is not None, "rows buffered without an open shard"
             self._writer.write_table(table.slice(0, n), row_group_size=self.row_group_rows)
             rest = table.slice(n)
             self._buffer = rest.to_batches() if rest.num_rows else []
@@ -74,6 +77,7 @@ class ShardWriter:
 
     def _finish_shard(self) -> None:
         self._flush(final=True)
+        assert self._writer is not None, "no open shard to finish"
         self._writer.close()
         self._writer = None
         path = self.directory / shard_name(len(self.shards))
@@ -94,16 +98,13 @@ class ShardWriter:
 
 
 @contextlib.contextmanager
-def _progress_bar(enabled: bool, sources: list[Path]) -> Iterator:
+def _progress_bar(enabled: bool, sources: list[Path]) -> Iterator[Callable[[int, int], None]]:
     """Yields update(source_index, bytes_done) or a no-op when progress is off."""
     if not enabled:
         yield lambda i, done: None
         return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
-    with Progress(
-        TextColumn("ingest {task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn()
-    ) as bar:
+    with Progress(TextColumn("ingest {task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn()) as bar:
         tasks = [bar.add_task(p.name, total=p.stat().st_size) for p in sources]
         yield lambda i, done: bar.update(tasks[i], completed=done)
 
@@ -162,7 +163,7 @@ def ingest(
             for i, src in enumerate(sources):
                 t0 = time.perf_counter()
                 bad_before, good = q.count, 0
-                for batch in read_criteo(src, dataset, q, batch_rows, on_progress=lambda done, i=i: update(i, done)):
+                for batch in read_criteo(src, dataset, q, batch_rows, on_progress=functools.partial(update, i)):
                     writer.write(batch)
                     good += batch.num_rows
                 bad = q.count - bad_before
@@ -180,7 +181,8 @@ def ingest(
                         f"max_bad_fraction={max_bad_fraction}{_example(q)}"
                     )
                 dt = time.perf_counter() - t0
-                log.info("ingest %s: %d rows, %d quarantined, %.1fs (%.0f rows/s)", src, good, bad, dt, total / max(dt, 1e-9))
+                log.info("ingest %s: %d rows, %d quarantined, %.1fs (%.0f rows/s)", src, good, bad, dt,
+                         total / max(dt, 1e-9))
                 stats.append(SourceStats(path=str(src.resolve()), rows=good, quarantined_rows=bad))
             shards = writer.close()
             quarantined = q.count

@@ -48,7 +48,7 @@ class Manifest(_Strict):
         return self._dir
 
     @classmethod
-    def load(cls, directory: str | Path) -> "Manifest":
+    def load(cls, directory: str | Path) -> Manifest:
         directory = Path(directory)
         path = directory / MANIFEST_NAME
         if not path.is_file():
@@ -83,7 +83,8 @@ class Manifest(_Strict):
                 raise DataError(f"shard {i} ({shard.path}) has {size} bytes, manifest says {shard.bytes}")
             digest = file_sha256(path)
             if digest != shard.sha256:
-                raise DataError(f"shard {i} ({shard.path}) checksum mismatch: sha256 {digest}, manifest says {shard.sha256}")
+                raise DataError(f"shard {i} ({shard.path}) checksum mismatch: sha256 {digest}, "
+                                f"manifest says {shard.sha256}")
             try:
                 rows = pq.ParquetFile(path).metadata.num_rows
             except Exception as exc:  # checksum matched, so this means the manifest itself was written wrong

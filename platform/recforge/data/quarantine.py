@@ -8,15 +8,16 @@ is renamed into place only on success (so a failed run leaves no partial quarant
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
+from typing import TextIO
 
 
 class Quarantine:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "w", encoding="utf-8")
+        self._fh: TextIO | None = open(self.path, "w", encoding="utf-8")
         self.count = 0
         self.last: dict | None = None  # the latest record, for error messages
 
@@ -39,7 +40,7 @@ class Quarantine:
             self._fh.close()
             self._fh = None
 
-    def __enter__(self) -> "Quarantine":
+    def __enter__(self) -> Quarantine:
         return self
 
     def __exit__(self, *exc) -> None:

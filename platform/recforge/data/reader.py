@@ -16,10 +16,11 @@ reason (and which the tests compare the fast path with).
 from __future__ import annotations
 
 import gzip
+import io
 import re
 import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -71,7 +72,7 @@ def parse_line_reference(raw: bytes, dataset: DatasetConfig) -> tuple[list[int |
     n_dense = len(dataset.dense)
     values: list[int | None] = []
     reasons: list[str] = []
-    for i, (name, field) in enumerate(zip(names, fields)):
+    for i, (name, field) in enumerate(zip(names, fields, strict=True)):
         try:
             s = field.decode("utf-8")
         except UnicodeDecodeError:
@@ -124,7 +125,7 @@ class _RawInput:
     def __init__(self, path: Path):
         self.path = path
         self._fh = open(path, "rb")
-        self._stream: BinaryIO = gzip.GzipFile(fileobj=self._fh, mode="rb") if is_gzip(path) else self._fh
+        self._stream: io.BufferedIOBase = gzip.GzipFile(fileobj=self._fh, mode="rb") if is_gzip(path) else self._fh
 
     def read(self, n: int) -> bytes:
         try:
@@ -251,7 +252,7 @@ class _BlockParser:
         table = self._read_csv(block, on_invalid)
         if None in misshaped or table.num_rows + len(misshaped) != n_lines:
             return None
-        return table, [int(k) - 1 for k in misshaped]
+        return table, [k - 1 for k in misshaped if k is not None]
 
     @staticmethod
     def _line_bounds(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -313,7 +314,7 @@ class _BlockParser:
 
         rejected = []
         if bad_lines:
-            if starts is None:
+            if starts is None or ends is None:
                 starts, ends = self._line_bounds(buf)
             for i in sorted(bad_lines):
                 raw = block[starts[i] : ends[i]]

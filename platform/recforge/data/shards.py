@@ -49,7 +49,8 @@ def read_rows(manifest_dir: str | Path, shard_index: int, row_start: int, row_en
     shard = _open(str(path), _stamp(path))
     if not 0 <= row_start <= row_end <= shard.num_rows:
         raise IndexError(
-            f"read_rows: rows [{row_start}, {row_end}) out of range for shard {shard_index} ({path.name}) with {shard.num_rows} rows"
+            f"read_rows: rows [{row_start}, {row_end}) out of range for shard {shard_index} ({path.name}) "
+            f"with {shard.num_rows} rows"
         )
     schema = shard.file.schema_arrow
     if row_start == row_end:

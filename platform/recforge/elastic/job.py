@@ -57,7 +57,7 @@ def default_policy(resources: ResourceConfig) -> Policy:
     if resources.policy == "static":
         return StaticPolicy(resources)
     if resources.policy == "dlrover":  # stage 1 without history (cold start); the pipeline passes MLflow history
-        from recforge.elastic.optimizer.dlrover import DLRoverPolicy, local_default_model
+        from recforge.elastic.optimizer import DLRoverPolicy, local_default_model
         return DLRoverPolicy(default_model=local_default_model())
     raise NotImplementedError(f"resources.policy={resources.policy!r} is not implemented yet; use 'static'")
 

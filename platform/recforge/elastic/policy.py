@@ -1,14 +1,15 @@
 """Resource decisions (the `Policy` seam): how many workers, how many threads each.
 
-`StaticPolicy` returns the user's ResourceConfig as is. The DLRover-RM policy (warm start from
-similar past jobs, model-driven auto-scaling, post-scaling) will implement the same Protocol.
+`StaticPolicy` returns the user's ResourceConfig as is; the DLRover-RM optimizer (recforge.elastic.optimizer)
+implements the same Protocol (docs/dlrover_rm.md).
 """
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from recforge.config import ResourceConfig
 
@@ -19,6 +20,9 @@ class OversubscriptionWarning(UserWarning):
 
 @dataclass(frozen=True)
 class ResourcePlan:
+    """What a backend launches: `workers` worker processes (pods), `threads_per_worker` threads each.
+    DLRover-RM plans more (`optimizer.PodPlan`: CPU and memory per pod) and hands the seam this part."""
+
     workers: int
     threads_per_worker: int
 

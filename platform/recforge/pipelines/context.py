@@ -1,7 +1,6 @@
 """What every stage of one pipeline run shares: its key, its config, where its outputs live."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -10,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from recforge.config import PipelineConfig
+from recforge.pipelines.outputs import STAGE_OUTPUTS, O, parse_outputs
 from recforge.settings import recforge_home
 
 EXPERIMENT = "recforge_daily"
@@ -46,12 +46,17 @@ class RunContext:
     def stage_dir(self, stage: str) -> Path:
         return self.run_dir / stage
 
-    def outputs(self, stage: str) -> dict[str, Any]:
-        """The recorded outputs of a finished stage; a later stage reads only these."""
+    def read(self, model: type[O]) -> O:
+        """The recorded outputs of a finished stage as its model (`ctx.read(IngestOutputs)`); a later stage reads
+        only these. A missing file is FileNotFoundError, one that does not validate OutputsError naming the fields."""
+        stage = model.stage
         path = self.stage_dir(stage) / "outputs.json"
         if not path.exists():
             raise FileNotFoundError(f"stage {stage!r} of run {self.run_key} has no recorded outputs at {path}")
-        return json.loads(path.read_text())
+        return parse_outputs(model, path.read_text(), f"stage {stage!r} of run {self.run_key} ({path})")
+
+    def outputs(self, stage: str) -> dict[str, Any]:  # TRANSITIONAL: until plan_stage/train_stage read models
+        return self.read(STAGE_OUTPUTS[stage]).model_dump(mode="json")
 
 
 class StageWriter:
@@ -64,16 +69,21 @@ class StageWriter:
             shutil.rmtree(self.tmp)
         self.tmp.mkdir(parents=True)
 
-    def commit(self, outputs: dict[str, Any]) -> dict[str, Any]:
-        text = json.dumps(outputs, indent=2, default=str)
+    def commit(self, outputs: O) -> O:
+        """Write `outputs` as the stage's outputs.json and swap the stage in; returns them as read back."""
+        if type(outputs).stage != self.final.name:
+            raise TypeError(f"stage {self.final.name!r} cannot commit {type(outputs).__name__} "
+                            f"(the outputs of {type(outputs).stage!r})")
         # paths inside outputs refer to the final location
-        (self.tmp / "outputs.json").write_text(text.replace(str(self.tmp), str(self.final)))
+        text = outputs.model_dump_json(indent=2).replace(str(self.tmp), str(self.final))
+        back = parse_outputs(type(outputs), text, f"{self.final.name}/outputs.json")  # validated before it is seen
+        (self.tmp / "outputs.json").write_text(text)
         old = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")
         if self.final.exists():
             os.replace(self.final, old)
         os.replace(self.tmp, self.final)
         shutil.rmtree(old, ignore_errors=True)
-        return json.loads((self.final / "outputs.json").read_text())
+        return back
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)

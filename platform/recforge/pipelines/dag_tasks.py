@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from typing import Any, get_args
 
+from recforge.config import DATASET_PRESETS, PipelineConfig
+from recforge.pipelines.context import RunContext
+
 # Param name -> PipelineConfig field path. Airflow 3 TaskFlow reserves `run_id`, so none is used here.
 PARAM_FIELDS = {
     "dataset_preset": ("dataset_preset",),
@@ -41,8 +44,6 @@ def config_from_params(params: dict[str, Any]) -> dict[str, Any]:
 
 def default_params() -> dict[str, dict[str, Any]]:
     """Defaults and JSON-schema types for the DAG's Params, read off PipelineConfig."""
-    from recforge.config import DATASET_PRESETS, PipelineConfig
-
     cfg = PipelineConfig()
     return {
         "dataset_preset": {"default": cfg.dataset_preset, "type": "string", "enum": sorted(DATASET_PRESETS),
@@ -75,8 +76,6 @@ def default_params() -> dict[str, dict[str, Any]]:
 def data_day_of(context: dict[str, Any], config: dict[str, Any]) -> int:
     """Calendar day (days since 0001-01-01) of the run's first synthetic day: its data interval's day minus the
     training days, so the held-out day is the run's own day. Manual runs without a logical date use run_after."""
-    from recforge.config import PipelineConfig
-
     when = context.get("logical_date") or getattr(context["dag_run"], "run_after", None)
     if when is None:
         return 0
@@ -85,11 +84,10 @@ def data_day_of(context: dict[str, Any], config: dict[str, Any]) -> int:
 
 
 def run_stage_from_context(stage: str, context: dict[str, Any]) -> dict[str, Any]:
-    from recforge.pipelines.context import RunContext
-    from recforge.pipelines.runner import STAGE_FUNCTIONS
+    from recforge.pipelines.runner import STAGE_FUNCTIONS  # lazy: the stages' modules off the DAG-parse path
 
     config = config_from_params(dict(context["params"]))
     ctx = RunContext.create(context["dag_run"].run_id, config, data_day=data_day_of(context, config))
-    out = STAGE_FUNCTIONS[stage](ctx)
+    out = STAGE_FUNCTIONS[stage](ctx).model_dump(mode="json")
     # XCom carries only small scalars; the full outputs stay in the stage's outputs.json
     return {k: v for k, v in out.items() if isinstance(v, (str, int, float, bool)) or v is None}

@@ -3,15 +3,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from recforge.elastic.policy import StaticPolicy
 from recforge.pipelines.context import RunContext
 from recforge.pipelines.stage import run_stage
+from recforge.preprocess.presets import load_plan
+from recforge.preprocess.run_params import preprocess_params
 
 
 def plan_resources(ctx: RunContext) -> dict[str, Any]:
     def body(w, store, run_id):
-        from recforge.elastic.policy import StaticPolicy
-        from recforge.preprocess.run_params import preprocess_params
-        from recforge.preprocess.presets import load_plan
 
         cfg = ctx.config
         plan = load_plan(cfg.preprocess_plan, cfg.dataset(), cfg.table_cap)  # "criteo": criteo_plan(dataset, cap)
@@ -23,14 +23,14 @@ def plan_resources(ctx: RunContext) -> dict[str, Any]:
         resources = StaticPolicy(cfg.resources).plan(None)
         dlrover = None
         if cfg.resources.policy == "dlrover":  # DLRover-RM stage 1: warm start from MLflow history (logs its events)
-            from recforge.tracking.resource_models import plan_with_dlrover
+            from recforge.pipelines.resource_planning import plan_with_dlrover  # lazy: mlflow off the UI/CLI path
             resources, dlrover = plan_with_dlrover(store, run_id, cfg, plan.tables(), ctx.outputs("ingest")["train"]["rows"])
         store.log_params(run_id, {"policy": cfg.resources.policy, "workers": resources.workers,
                                   "threads_per_worker": resources.threads_per_worker})
         store.log_artifact(run_id, plan_path)
         corun = None
-        if cfg.preprocessing == "corun":  # RAP: the co-run schedule every worker runs (recforge.pipelines.rap_corun)
-            from recforge.pipelines.rap_corun import plan_and_log_schedule
+        if cfg.preprocessing == "corun":  # RAP: the co-run schedule every worker runs (recforge.pipelines.rap_planning)
+            from recforge.pipelines.rap_planning import plan_and_log_schedule  # lazy: torch off the UI/CLI import path
             corun = plan_and_log_schedule(store, run_id, cfg, plan, resources.workers, w,
                                           manifest_dir=ctx.outputs("ingest")["train"]["manifest_dir"],
                                           trainer_threads=resources.threads_per_worker)  # profiles the job if new

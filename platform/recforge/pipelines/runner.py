@@ -3,20 +3,18 @@ from __future__ import annotations
 
 from recforge.pipelines.context import EXPERIMENT, RunContext, run_key_from
 from recforge.pipelines.data_stages import generate, ingest
+from recforge.pipelines.outputs import STAGE_OUTPUTS, StageOutputs
 from recforge.pipelines.plan_stage import plan_resources
 from recforge.pipelines.serve_stages import compile_model, publish
 from recforge.pipelines.train_stage import evaluate, train
 
-STAGES = ["generate", "ingest", "plan_resources", "train", "evaluate", "compile", "publish"]
+STAGES = list(STAGE_OUTPUTS)  # generate, ingest, plan_resources, train, evaluate, compile, publish
 STAGE_FUNCTIONS = {
     "generate": generate, "ingest": ingest, "plan_resources": plan_resources, "train": train,
     "evaluate": evaluate, "compile": compile_model, "publish": publish,
 }
 
 
-def run_all(ctx: RunContext) -> dict[str, dict]:
+def run_all(ctx: RunContext) -> dict[str, StageOutputs]:
     """Run every stage in order in this process (the CLI's and the tests' path without Airflow)."""
     return {name: STAGE_FUNCTIONS[name](ctx) for name in STAGES}
-
-
-

@@ -2,16 +2,24 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from recforge.pipelines.context import RunContext, StageWriter
+from recforge.pipelines.outputs import STAGE_OUTPUTS, O
 
 log = logging.getLogger("recforge.pipelines")
 
 
-def run_stage(ctx: RunContext, stage: str, body: Callable[[StageWriter, Any, str], dict[str, Any]]) -> dict[str, Any]:
-    from recforge.tracking import TrackingStore
+def run_stage(ctx: RunContext, model: type[O], body: Callable[[StageWriter, Any, str], O]) -> O:
+    """Run `body(writer, store, run_id)` as stage `model.stage`; commit the `model` it returns (with the MLflow run
+    id filled in) and return it as recorded."""
+    from recforge.tracking import TrackingStore  # lazy: mlflow off the CLI/DAG import path
 
+    if isinstance(model, str):  # TRANSITIONAL: until plan_stage/train_stage return models
+        legacy, model = body, STAGE_OUTPUTS[model]
+        body = lambda w, store, run_id: model.model_validate(legacy(w, store, run_id))  # noqa: E731
+    stage = model.stage
     store = TrackingStore(ctx.tracking_uri)
     parent_id = store.pipeline_run(ctx.experiment, ctx.run_key)
     store.log_params(parent_id, ctx.config.model_dump(mode="json"))
@@ -19,11 +27,14 @@ def run_stage(ctx: RunContext, stage: str, body: Callable[[StageWriter, Any, str
     writer = StageWriter(ctx, stage)
     try:
         outputs = body(writer, store, run_id)
-        outputs = writer.commit({**outputs, "mlflow_run_id": run_id})
+        if not isinstance(outputs, model):
+            raise TypeError(f"stage {stage!r} returned {type(outputs).__name__}, not {model.__name__}")
+        outputs = writer.commit(outputs.model_copy(update={"mlflow_run_id": run_id}))
     except BaseException:
         writer.abort()
         store.finish(run_id, ok=False)
         raise
     store.finish(run_id, ok=True)
-    log.info("stage %s of %s done: %s", stage, ctx.run_key, {k: v for k, v in outputs.items() if not isinstance(v, (dict, list))})
+    scalars = {k: v for k, v in outputs.model_dump(mode="json").items() if not isinstance(v, (dict, list))}
+    log.info("stage %s of %s done: %s", stage, ctx.run_key, scalars)
     return outputs

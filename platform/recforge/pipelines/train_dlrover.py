@@ -11,8 +11,15 @@ stages 2/3, and a "fallback" event says why.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+
+from recforge.elastic.backends.base import JobFailedError
+from recforge.elastic.master.dlrover_scaler import scaler_from_stage1
+from recforge.elastic.optimizer.events import Event
+from recforge.pipelines.resource_planning import log_dlrover_run
+from recforge.tracking.resource_models import log_events
 
 log = logging.getLogger(__name__)
 
@@ -22,14 +29,9 @@ def start(store, run_id: str, plan_out: dict[str, Any], cfg, spec: dict[str, Any
     state = plan_out.get("dlrover")
     if cfg.resources.policy != "dlrover" or not state:
         return None
-    from recforge.elastic.master.dlrover_scaler import scaler_from_stage1
-
     try:
         scaler = scaler_from_stage1(state, cfg.resources.dlrover, memory_action="accumulate")  # local backend
     except (ValueError, TypeError) as e:
-        from recforge.elastic.optimizer.events import Event
-        from recforge.tracking.resource_models import log_events
-
         log.warning("DLRover stages 2/3 off for this run: %s", e)
         log_events(store, run_id, [Event("runtime", "fallback", f"{e}: training on the plan task's plan without "
                                          "stages 2/3", plan_before=state.get("plan") if isinstance(state, dict) else None)])
@@ -43,8 +45,6 @@ def finish(store, run_id: str, scaler, attempts: Sequence[dict[str, Any]]) -> di
     """Log what stages 2/3 decided and executed during the run; the summary for the task's outputs."""
     if scaler is None:
         return None
-    from recforge.tracking.resource_models import log_dlrover_run
-
     summary = log_dlrover_run(store, run_id, scaler, attempts)
     return {k: summary[k] for k in ("throughput_by_plan", "final_plan", "events", "model_uri")} | {
         "executed": [{"stage": e["stage"], "action": e["action"], "reason": e["reason"]} for e in summary["executed"]]}
@@ -56,8 +56,6 @@ def logging_failures(store, run_id: str, scaler, run_job):
         return run_job
 
     def run(*args, **kwargs):
-        from recforge.elastic.backends.base import JobFailedError
-
         try:
             return run_job(*args, **kwargs)
         except JobFailedError as e:

@@ -5,8 +5,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from recforge.elastic.backends.local import LocalBackend
+from recforge.elastic.job import run_training_job
+from recforge.elastic.master.service import shard_rows_from_manifest
+from recforge.elastic.policy import StaticPolicy
 from recforge.pipelines.context import RunContext
 from recforge.pipelines.stage import run_stage
+from recforge.preprocess.planning.plan import Plan
 
 
 def train(ctx: RunContext) -> dict[str, Any]:
@@ -14,11 +19,6 @@ def train(ctx: RunContext) -> dict[str, Any]:
     plan = ctx.outputs("plan_resources")
 
     def body(w, store, run_id):
-        from recforge.elastic.job import run_training_job
-        from recforge.elastic.backends.local import LocalBackend
-        from recforge.elastic.master.service import shard_rows_from_manifest
-        from recforge.elastic.policy import StaticPolicy
-
         cfg = ctx.config
         manifest_dir = data["train"]["manifest_dir"]
         spec = {
@@ -41,12 +41,12 @@ def train(ctx: RunContext) -> dict[str, Any]:
             "preprocessed_dir": str(w.tmp / "preprocessed") if cfg.preprocessing == "offline" else None,
         }
         if cfg.preprocessing == "offline":  # preprocess the whole training data first (recforge.rap.runtime.offline)
-            from recforge.pipelines.rap_corun import preprocess_offline
+            from recforge.pipelines.rap_training import preprocess_offline  # lazy: torch off the UI/CLI import path
             preprocess_offline(store, run_id, manifest_dir, spec["plan_path"], cfg.dataset(), spec["preprocess_executor"],
                                w.tmp / "preprocessed")
         store.log_params(run_id, {"train": cfg.train.model_dump(mode="json"),
                                   "model": cfg.model.model_dump(mode="json")})
-        from recforge.pipelines import train_dlrover  # DLRover-RM stages 2/3 during training (policy "dlrover")
+        from recforge.pipelines import train_dlrover  # lazy: mlflow off the UI/CLI import path (DLRover-RM stages 2/3)
 
         scaler = train_dlrover.start(store, run_id, plan, cfg, spec, w.tmp)
         # RAP's mapping trains global batches: one task feeds every worker, so it is `workers` times larger
@@ -67,14 +67,14 @@ def train(ctx: RunContext) -> dict[str, Any]:
         )
         dlrover = train_dlrover.finish(store, run_id, scaler, result.attempts)
         if cfg.preprocessing == "offline":  # the preprocessed copy of the training data served this job only
-            from recforge.pipelines.rap_corun import drop_offline_data
+            from recforge.pipelines.rap_training import drop_offline_data  # lazy: torch off the UI/CLI import path
             drop_offline_data(store, run_id, w.tmp / "preprocessed")
         worker = json.loads((w.tmp / "worker" / "result.json").read_text())
         store.log_metrics(run_id, {"samples_per_s": worker["samples_per_s"], "steps": worker["steps"],
                                    "final_train_loss": worker["final_loss"], "wall_s": worker["wall_s"]})
         store.log_dict(run_id, worker, "result.json")
         if worker.get("rap"):  # RAP co-run: schedule + Gantt, predicted vs measured iteration time
-            from recforge.pipelines.rap_corun import log_corun
+            from recforge.pipelines.rap_training import log_corun  # lazy: torch off the UI/CLI import path
             log_corun(store, run_id, worker["rap"])
         return {
             "checkpoint_dir": str(w.final / "checkpoint"),
@@ -92,8 +92,7 @@ def train(ctx: RunContext) -> dict[str, Any]:
 
 def load_trained(ctx: RunContext):
     """The trained model, unsharded, with the plan it was trained on."""
-    from recforge.preprocess.planning.plan import Plan
-    from recforge.train.recovery.checkpoint import load_unsharded
+    from recforge.train.recovery.checkpoint import load_unsharded  # lazy: torch off the UI/CLI import path
 
     plan_out = ctx.outputs("plan_resources")
     plan = Plan.load(Path(plan_out["plan_path"]))
@@ -107,8 +106,8 @@ def evaluate(ctx: RunContext) -> dict[str, Any]:
     ceiling = ctx.outputs("generate").get("bayes_auc")
 
     def body(w, store, run_id):
-        from recforge.preprocess.executor import TorchExecutor
-        from recforge.train.metrics import evaluate as evaluate_model
+        from recforge.preprocess.executor import TorchExecutor  # lazy: torch off the UI/CLI import path
+        from recforge.train.metrics import evaluate as evaluate_model  # lazy: torch off the UI/CLI import path
 
         model, plan = load_trained(ctx)
         executor = TorchExecutor(plan, ctx.config.dataset())

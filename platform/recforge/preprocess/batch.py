@@ -1,11 +1,12 @@
 """RawBatch: one shard RecordBatch as torch tensors (values + validity masks), the input of every executor.
 
-Scalar columns are [B, F] matrices in dataset order (row-major, contiguous). A sparse column stored as a list (multi-hot, Arrow
-list<int>) goes into `jagged` (values + lengths, see jagged.py); its slot in `sparse` holds 0 / invalid.
+Scalar columns are [B, F] matrices in dataset order (row-major, contiguous). A sparse column stored as a list
+(multi-hot, Arrow list<int>) goes into `jagged` (values + lengths, see jagged.py); its slot in `sparse` holds 0 /
+invalid.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import pyarrow as pa
@@ -33,7 +34,7 @@ class RawBatch:
         return int(self.label.shape[0])
 
     @classmethod
-    def from_arrow(cls, rb: pa.RecordBatch | pa.Table, dataset: DatasetConfig) -> "RawBatch":
+    def from_arrow(cls, rb: pa.RecordBatch | pa.Table, dataset: DatasetConfig) -> RawBatch:
         """Columns are looked up by name (dataset order); integer columns, nulls -> 0 with valid False."""
         names = set(rb.schema.names)
         missing = [n for n in [dataset.label, *dataset.dense_names, *dataset.sparse_names] if n not in names]
@@ -59,24 +60,23 @@ class RawBatch:
             jagged=JaggedColumns({n: _jagged(_column(rb, n), n) for n in lists}),
         )
 
-    def to(self, device: torch.device | str) -> "RawBatch":
+    def to(self, device: torch.device | str) -> RawBatch:
         return RawBatch(*(t.to(device) for t in (self.label, self.dense, self.dense_valid, self.sparse,
                                                  self.sparse_valid)), jagged=self.jagged.to(device))
 
     @classmethod
-    def concat(cls, parts: list["RawBatch"]) -> "RawBatch":
+    def concat(cls, parts: list[RawBatch]) -> RawBatch:
         """The rows of `parts` one after another (RAP's global batch from the ranks' local batches)."""
         if not parts:
             raise ValueError("RawBatch.concat: no parts")
-        import dataclasses
 
         def cat(name: str):
             values = [getattr(p, name) for p in parts]
             return JaggedColumns.concat(values) if isinstance(values[0], JaggedColumns) else torch.cat(values)
 
-        return cls(**{f.name: cat(f.name) for f in dataclasses.fields(cls)})
+        return cls(**{f.name: cat(f.name) for f in fields(cls)})
 
-    def pad_to(self, n: int) -> tuple["RawBatch", Tensor]:
+    def pad_to(self, n: int) -> tuple[RawBatch, Tensor]:
         """A new batch of n rows (zero rows appended, valid False) and weight float32[n]: 1 real, 0 padding."""
         b = self.rows
         if n < b:

@@ -15,6 +15,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
+from recforge.preprocess.executors.dali import DaliExecutor
+from recforge.preprocess.executors.eager import EagerExecutor
+from recforge.preprocess.executors.fused import FusedExecutor
 from recforge.preprocess.module import PreprocessModule
 from recforge.preprocess.planning.plan import Plan
 
@@ -73,16 +76,10 @@ def make_executor(name: str, plan: Plan, dataset: DatasetConfig, **options: Any)
     Options: fused/dali take `method` ("milp" | "greedy") for the plan compiler; fused takes `prune` (skip values
     no consumer reads, default True); dali takes `num_threads` and `device` ("cpu" | "gpu")."""
     if name == "eager":
-        from recforge.preprocess.executors.eager import EagerExecutor
-
         ex = EagerExecutor(plan, dataset)
     elif name == "fused":
-        from recforge.preprocess.executors.fused import FusedExecutor
-
         ex = FusedExecutor(plan, dataset, **options)
     elif name == "dali":
-        from recforge.preprocess.executors.dali import DaliExecutor
-
         ex = DaliExecutor(plan, dataset, **options)
     elif name == "module":
         ex = TorchExecutor(plan, dataset)

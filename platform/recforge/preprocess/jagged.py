@@ -35,25 +35,25 @@ class JaggedColumn:
         """int64[B + 1]: row i holds values[offsets[i]:offsets[i + 1]]."""
         return torch.cat([self.lengths.new_zeros(1), torch.cumsum(self.lengths, 0)])
 
-    def slice_rows(self, start: int, end: int) -> "JaggedColumn":
+    def slice_rows(self, start: int, end: int) -> JaggedColumn:
         off = self.offsets()
         start, end = max(0, min(start, self.rows)), max(0, min(end, self.rows))
         end = max(start, end)
         a, b = int(off[start]), int(off[end])
         return JaggedColumn(self.values[a:b], self.lengths[start:end], self.valid[a:b])
 
-    def pad_rows(self, n: int) -> "JaggedColumn":
+    def pad_rows(self, n: int) -> JaggedColumn:
         """n rows: the extra ones empty."""
         pad = n - self.rows
         return JaggedColumn(self.values.clone(), torch.cat([self.lengths, self.lengths.new_zeros(pad)]),
                             self.valid.clone())
 
     @classmethod
-    def concat(cls, parts: list["JaggedColumn"]) -> "JaggedColumn":
+    def concat(cls, parts: list[JaggedColumn]) -> JaggedColumn:
         """The rows of `parts` one after another."""
         return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("values", "lengths", "valid")))
 
-    def to(self, device: torch.device | str) -> "JaggedColumn":
+    def to(self, device: torch.device | str) -> JaggedColumn:
         return JaggedColumn(self.values.to(device), self.lengths.to(device), self.valid.to(device))
 
     def to_rows(self) -> list[np.ndarray]:
@@ -63,7 +63,7 @@ class JaggedColumn:
         return [v[off[i]:off[i + 1]] for i in range(self.rows)]
 
     @classmethod
-    def from_rows(cls, rows: list[list[int | None] | None]) -> "JaggedColumn":
+    def from_rows(cls, rows: list[list[int | None] | None]) -> JaggedColumn:
         """From Python lists (None = null element; a None row = null list = empty)."""
         rows = [r or [] for r in rows]
         flat = [v for r in rows for v in r]
@@ -106,15 +106,15 @@ class JaggedColumns(Mapping[str, JaggedColumn]):
         return next(iter(self._cols.values())).rows if self._cols else None
 
     @classmethod
-    def concat(cls, parts: list["JaggedColumns"]) -> "JaggedColumns":
+    def concat(cls, parts: list[JaggedColumns]) -> JaggedColumns:
         """The rows of `parts` one after another; every part has the same columns."""
         names = [list(p) for p in parts]
         if any(n != names[0] for n in names):
             raise ValueError(f"JaggedColumns.concat: parts have different columns {names}")
         return cls({n: JaggedColumn.concat([p[n] for p in parts]) for n in names[0]})
 
-    def to(self, device: torch.device | str) -> "JaggedColumns":
+    def to(self, device: torch.device | str) -> JaggedColumns:
         return JaggedColumns({n: c.to(device) for n, c in self._cols.items()})
 
-    def pad_rows(self, n: int) -> "JaggedColumns":
+    def pad_rows(self, n: int) -> JaggedColumns:
         return JaggedColumns({k: c.pad_rows(n) for k, c in self._cols.items()})

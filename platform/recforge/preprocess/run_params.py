@@ -28,7 +28,8 @@ def preprocess_params(plan: Plan, dataset: DatasetConfig, executor: str, plan_so
         "preprocess_compiler": f"{compiled.method} ({compiled.solver_status}, objective {compiled.objective})",
     }
     if executor == "dali":
-        from recforge.preprocess.executors.dali import fallback_summary
+        # the dali executor's module loads torch and torchrec (seconds); the plan stage and the CLI import this one
+        from recforge.preprocess.executors.dali import fallback_summary  # lazy: torch, torchrec (above)
 
         fb = fallback_summary(compiled, dataset)
         summary["dali"] = fb

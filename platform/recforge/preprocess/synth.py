@@ -53,5 +53,6 @@ def reference_inputs(raw: RawBatch) -> tuple:
     for name, col in raw.jagged.items():
         off = col.offsets().tolist()
         v, ok = col.values.numpy(), col.valid.numpy()
-        jagged[name] = ([v[off[i]:off[i + 1]] for i in range(col.rows)], [ok[off[i]:off[i + 1]] for i in range(col.rows)])
+        jagged[name] = ([v[off[i]:off[i + 1]] for i in range(col.rows)],
+                        [ok[off[i]:off[i + 1]] for i in range(col.rows)])
     return raw.dense.numpy(), raw.dense_valid.numpy(), raw.sparse.numpy(), raw.sparse_valid.numpy(), jagged

@@ -1,24 +1,39 @@
-"""RAP co-running (ASPLOS '24; ../shared/papers/RAP.md): run fused preprocessing of batch i+1 in the spare
-capacity of training batch i on the same workers.
-
-Planning (this package's planning half):
-  stages.py      STAGES and StageTracker: the five stage boundaries of a training step from module / autograd hooks
-  schedule.py    CorunSchedule / Assignment: which fused kernel (or part) runs in which stage; validation; the
-                 executable parts the fused executor runs
-  profiler.py    stage durations and spare capacity (growing a proxy fused kernel), keyed profiles, MLflow
-  cost_model.py  fused-kernel latency vs op, fusion degree, rows, width; cost_probe.py measures our fused executor
-  mapping.py     table placement + preprocessing placement MILP (scipy.optimize.milp), per-rank plans
-  scheduler.py   RAP's greedy co-run scheduler with kernel splitting
-  gantt.py       the schedule as a Gantt PNG
-  simulator.py   predicted iteration time of RAP, its ablations and baselines
-  mapping_plan.py  a job's placements for the pipeline: costs from the stage profile and timed kernels, the MILP,
-                 TorchRec's planner placement as "before"
-Runtime:
-  runtime.py     CorunRuntime: a schedule's kernels (one job, or RAP's two: global / local rows) gated by the stages
-  corun_batches.py, corun_session.py   the trainer's batch source reading ahead, the worker's session
-  mapped_input.py  the sharded EBC takes ids already on their table's owner: no input all-to-all
-  mapped_batches.py  global batches; each rank preprocesses its tables over them and the rest over its rows
-Pipeline: corun_pipeline.py (plan / worker / MLflow), corun_mapping.py (the mapping file: placements and each
-rank's jobs), profile_job.py + profile_ranks.py (profiles a job with no stored profile, on its world size),
-corun_offline.py (the offline baseline). Benchmarks: bench/bench_rap.py, bench_rap_mapping.py, bench_rap_planning.py.
+"""RAP (ASPLOS '24): fused preprocessing kernels co-run in the spare capacity of the training step's stages on the
+same workers. Subpackages by role: profiling (stage times, spare capacity, kernel costs), planning (schedule,
+scheduler, simulator), mapping (where tables and their preprocessing live), runtime (the co-run inside a worker).
+The design and the paper's ideas: docs/rap.md.
 """
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, tuple[str, ...]] = {  # defining module -> its public names
+    "recforge.rap.profiling.stages": ("STAGES", "StageTracker"),
+    "recforge.rap.profiling.profiler": ("ProfileKey", "ProfileMismatch", "StageProfile", "StageProfiler"),
+    "recforge.rap.profiling.profile_job": ("ensure_profile", "profile_job"),
+    "recforge.rap.profiling.kernel_timer": ("group_timer",),
+    "recforge.rap.planning.schedule": ("Assignment", "CorunSchedule", "ScheduleError", "whole_kernel_schedule"),
+    "recforge.rap.planning.scheduler": ("mapped_rank_schedules", "schedule"),
+    "recforge.rap.planning.simulator": ("SimSetup", "simulate"),
+    "recforge.rap.planning.job_schedule": ("plan_schedule", "simulated_iteration_ms"),
+    "recforge.rap.planning.gantt": ("log_schedule",),
+    "recforge.rap.mapping.milp": ("MappingCosts", "MappingError", "Placement", "TableLoad", "solve"),
+    "recforge.rap.mapping.job_mapping": ("plan_mapping", "planner_placements"),
+    "recforge.rap.mapping.worker_mapping": (
+        "MAPPING_FILE", "MappingFileError", "WorkerMapping", "load_mapping", "mapped_jobs", "write_mapping",
+    ),
+    "recforge.rap.mapping.mapped_input": ("MappedInput",),
+    "recforge.rap.runtime.corun_runtime": ("CorunConfigError", "CorunRuntime"),
+    "recforge.rap.runtime.session": ("CorunSession",),
+    "recforge.rap.runtime.offline": ("OfflineTaskBatches", "preprocess_manifest"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    """Import the defining module on first use: RAP's modules load torch, the package itself stays cheap."""
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_WHERE[name]), name)

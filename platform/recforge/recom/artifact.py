@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from recforge.recom.backend.layer import FusedEmbeddingLayer
+
 FORMAT = "recforge.recom/1"
 _META_FILE = "recom_metadata.json"  # inside a plain .pt2 (foundation format)
 
@@ -77,8 +79,8 @@ def is_recom_archive(path: Path) -> bool:
 
 
 def load_compiled(path: str | os.PathLike, backend: str | None = None):
-    from recforge.recom.compile import DEFAULT_BACKEND, CompiledModel
-    from recforge.recom.backend.layer import FusedEmbeddingLayer
+    # load-order knot: recforge.recom.compile imports this module (save / load) at its top
+    from recforge.recom.compile import DEFAULT_BACKEND, CompiledModel  # lazy: load-order knot (above)
 
     path = Path(path)
     if not path.exists():

@@ -16,7 +16,13 @@ bucket K; the padded ``searchsorted`` puts it in the widest column's K: feed no 
 from __future__ import annotations
 
 import torch
+from fbgemm_gpu.split_embedding_configs import SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
 from torch import Tensor, nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import recforge_kernels  # noqa: F401
 from recforge.recom.family.columns import JAGGED_KINDS
@@ -62,7 +68,8 @@ class GroupedPreprocess(nn.Module):
         self.string_salt = [c.salt for c in strings]
         self.jagged = [(n, c.salt, c.num_rows, c.combiner) for n, c in cols.items() if c.kind in JAGGED_KINDS]
         self.raw = [(n, c.num_rows) for n, c in cols.items() if c.kind == "raw_id"]
-        self.groups = {k: [n for n, c in cols.items() if c.kind == k] for k in ("bucketized", "int_hash", "string_hash")}
+        self.groups = {k: [n for n, c in cols.items() if c.kind == k]
+                       for k in ("bucketized", "int_hash", "string_hash")}
 
     def forward(self, features: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         batch = features[self.names[0] + LENGTHS_SUFFIX].shape[0] if self.kinds[0] in JAGGED_KINDS \
@@ -71,10 +78,10 @@ class GroupedPreprocess(nn.Module):
         if self.groups["bucketized"]:
             x = torch.stack([features[n] for n in self.groups["bucketized"]])
             out = torch.searchsorted(self.boundaries, x.contiguous())
-            ids.update(zip(self.groups["bucketized"], out.unbind(0)))
+            ids.update(zip(self.groups["bucketized"], out.unbind(0), strict=True))
         if self.groups["int_hash"]:
             x = torch.stack([features[n] for n in self.groups["int_hash"]])
-            ids.update(zip(self.groups["int_hash"], torch.remainder(x, self.mod_n).unbind(0)))
+            ids.update(zip(self.groups["int_hash"], torch.remainder(x, self.mod_n).unbind(0), strict=True))
         if self.groups["string_hash"]:
             x = torch.stack([features[n] for n in self.groups["string_hash"]], dim=1)
             hashed = torch.empty_like(x)
@@ -82,7 +89,7 @@ class GroupedPreprocess(nn.Module):
                 sel = [j for j, s in enumerate(self.string_salt) if s == salt]
                 idx = torch.tensor(sel)
                 hashed[:, idx] = torch.ops.recforge.sigrid_hash_multi(x[:, idx].contiguous(), salt, self.string_m[idx])
-            ids.update(zip(self.groups["string_hash"], hashed.unbind(1)))
+            ids.update(zip(self.groups["string_hash"], hashed.unbind(1), strict=True))
         for n, rows in self.raw:
             x = features[n]
             ids[n] = torch.where((x >= 0) & (x < rows), x, torch.zeros_like(x))
@@ -107,17 +114,13 @@ class TBELayer(nn.Module):
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        from fbgemm_gpu.split_embedding_configs import SparseType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
-
         tables = [_table(c)[0] for c in _columns(module).values()]
         specs = [(f"t{i}", t.shape[0], t.shape[1], SparseType.FP32, EmbeddingLocation.HOST)
                  for i, t in enumerate(tables)]
         self.tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
             embedding_specs=specs, pooling_mode=PoolingMode.SUM, device="cpu", output_dtype=SparseType.FP32)
         self.tbe.fill_random_weights()
-        for (dst, *_), src in zip(self.tbe.split_embedding_weights(), tables):
+        for (dst, *_), src in zip(self.tbe.split_embedding_weights(), tables, strict=True):
             rows, width = dst.shape
             dst.copy_(torch.nn.functional.pad(src.detach().contiguous().view(torch.uint8).view(rows, -1),
                                               (0, width - src.shape[1] * 4)))
@@ -131,9 +134,6 @@ class EBCLayer(nn.Module):
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-        from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
         cols = _columns(module)
         configs = []
         for n, c in cols.items():
@@ -148,8 +148,6 @@ class EBCLayer(nn.Module):
                 self.ebc.embedding_bags[f"t_{n}"].weight.copy_(_table(c)[0])
 
     def forward(self, ids: Tensor, offsets: Tensor, weights: Tensor) -> Tensor:
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
         kjt = KeyedJaggedTensor(keys=self.keys, values=ids, offsets=offsets)
         return self.ebc(kjt).values()
 

@@ -27,9 +27,16 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
+import recforge_kernels.embedding_op  # noqa: F401  (registers the recforge ops exported graphs call)
+from recforge.recom.artifact import load_compiled, save_compiled
+from recforge.recom.backend.column_compiler import compile_columns
+from recforge.recom.backend.dense import EMB_INPUT, build_residual, export_residual, with_onednn
+from recforge.recom.backend.layer import FusedEmbeddingLayer
 from recforge.recom.errors import CompileMismatchError
+from recforge.recom.frontend.capture import capture, infer_batch_size
 from recforge.recom.frontend.graph_stats import count_lookups, dispatched_ops, graph_ops
 
 Backend = Literal["auto", "export", "inductor", "aoti"]
@@ -42,8 +49,6 @@ DEFAULT_BACKEND: Backend = "auto"
 
 def batch_size_of(inputs: Sequence[Any]) -> int:
     """The batch size of an input tuple: the dim-0 size shared by most tensor leaves (jagged values differ)."""
-    from recforge.recom.frontend.capture import infer_batch_size
-
     leaves = pytree.tree_leaves(tuple(inputs))
     if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves):
         raise ValueError("example_inputs hold no tensor with a batch dimension")
@@ -131,8 +136,6 @@ class CompiledModel(nn.Module):
         running = exported_program
         self.metadata["onednn"] = bool(onednn)
         if onednn and backend != "inductor":  # Inductor's lowering wants its own (prepacked) mkldnn linears
-            from recforge.recom.backend.dense import with_onednn
-
             running, self.metadata["onednn_linears"] = with_onednn(exported_program)
         else:
             self.metadata["onednn_linears"] = 0
@@ -210,7 +213,8 @@ class CompiledModel(nn.Module):
             lo, hi = self.batch_bounds
             if not lo <= batch <= hi:
                 return self._out_of_bounds(
-                    inputs, f"a batch of {batch} rows is outside the compiled bounds [{lo}, {hi if hi < 2**62 else 'inf'}]")
+                    inputs,
+                    f"a batch of {batch} rows is outside the compiled bounds [{lo}, {hi if hi < 2**62 else 'inf'}]")
             emb = self.layer(leaves)
             if self.__dict__.get("_identity_dense") is None:
                 self.__dict__["_identity_dense"] = _returns_embedding(self.exported_program) and (
@@ -233,7 +237,7 @@ class CompiledModel(nn.Module):
         self.metadata["fallback_calls"] = self.metadata.get("fallback_calls", 0) + 1
         return self._fallback(*inputs)
 
-    def _recompiled(self, inputs: tuple, why: str) -> "CompiledModel":
+    def _recompiled(self, inputs: tuple, why: str) -> CompiledModel:
         """A compile of the source module for these inputs' batch size (cached per size), like
         torch.compile's recompilation on a new static shape."""
         leaves = pytree.tree_leaves(inputs)
@@ -254,8 +258,6 @@ class CompiledModel(nn.Module):
 
 def _returns_embedding(ep: torch.export.ExportedProgram) -> bool:
     """The residual program only hands the fused output back (its one output is that input)."""
-    from recforge.recom.backend.dense import EMB_INPUT
-
     out = next(n for n in ep.graph.nodes if n.op == "output")
     values = pytree.tree_leaves(out.args)
     return len(values) == 1 and getattr(values[0], "op", None) == "placeholder" and values[0].name == EMB_INPUT
@@ -297,11 +299,6 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], dynamic_batch: boo
     too (CompileMismatchError above ``atol``). Raises
     NotOneHotError when an InferenceModule's one-id-per-row cannot be proven.
     """
-    from recforge.recom.frontend.capture import capture
-    from recforge.recom.backend.column_compiler import compile_columns
-    from recforge.recom.backend.dense import build_residual, export_residual
-    from recforge.recom.backend.layer import FusedEmbeddingLayer
-
     if backend not in BACKENDS:
         raise ValueError(f"backend: unknown {backend!r}; choose one of {list(BACKENDS)}")
     if out_of_bounds not in ("error", "eager", "recompile"):
@@ -396,8 +393,6 @@ def _first_row(inputs: tuple) -> tuple | None:
 def _lifted_args(ep: torch.export.ExportedProgram, user_leaves: list[Any]) -> list[Any]:
     """The arguments of ``ep.graph_module`` (state lifted to inputs) for these flat user inputs: running it
     so costs nothing to set up, where ``ep.module()`` unlifts every table (seconds at a thousand columns)."""
-    from torch.export.graph_signature import InputKind
-
     state = {**ep.state_dict, **(getattr(ep, "constants", None) or {})}
     leaves = iter(user_leaves)
     return [next(leaves) if s.kind == InputKind.USER_INPUT else state[s.target]
@@ -450,24 +445,10 @@ def check_against_eager(compiled: Callable[..., torch.Tensor], eager: Callable[.
 
 def save(compiled: CompiledModel, path: str | os.PathLike) -> Path:
     """Write the compiled model to one file at ``path`` (temp file + rename)."""
-    from recforge.recom.artifact import save_compiled
-
     return save_compiled(compiled, path)
-
-
-def _register_custom_ops() -> None:
-    """Exported graphs may call recforge's torch.library ops: make sure they are registered before loading."""
-    try:
-        import recforge_kernels  # noqa: F401
-        import recforge_kernels.embedding_op  # noqa: F401
-    except ImportError:
-        pass
 
 
 def load(path: str | os.PathLike, backend: Backend | None = None) -> CompiledModel:
     """Load a model written by ``save``; ``backend`` defaults to the one requested at compile time
     (Inductor / AOTInductor compile again here: pass ``backend="export"`` for an instant load)."""
-    from recforge.recom.artifact import load_compiled
-
-    _register_custom_ops()
     return load_compiled(path, backend)

@@ -23,8 +23,8 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recforge.recom.errors import NotOneHotError, UnsupportedModelError
 from recforge.recom.columns.onehot import prove_one_hot
+from recforge.recom.errors import NotOneHotError, UnsupportedModelError
 
 _DLRM_PARTS = ("sparse_arch", "dense_arch", "inter_arch", "over_arch")
 
@@ -55,7 +55,8 @@ def unwrap_dlrm(model: nn.Module) -> nn.Module:
     if not isinstance(ebc, EmbeddingBagCollection):
         raise UnsupportedModelError(
             f"sparse_arch.embedding_bag_collection is {type(ebc).__name__}, not an unsharded "
-            "torchrec EmbeddingBagCollection; load the model unsharded first (recforge.train.recovery.checkpoint.load_unsharded)"
+            "torchrec EmbeddingBagCollection; load the model unsharded first "
+            "(recforge.train.recovery.checkpoint.load_unsharded)"
         )
     return model
 
@@ -117,7 +118,7 @@ class InferenceModule(nn.Module):
         logits = self.dlrm(dense_f, kjt)
         return torch.sigmoid(logits).squeeze(-1)
 
-    def lowered(self) -> "GatherInferenceModule":
+    def lowered(self) -> GatherInferenceModule:
         """The gather form over the same weights; raises NotOneHotError unless one-hot is proven."""
         return GatherInferenceModule(self)
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from recforge.recom.compile import CompiledModel, batch_size_of, tile_rows, check_against_eager, max_abs_diff
+from recforge.recom.compile import CompiledModel, batch_size_of, check_against_eager, max_abs_diff, tile_rows
+from recforge.recom.family import batch_of, select_rows
 
 
 @contextmanager
@@ -54,8 +55,6 @@ def take_rows(inputs: Sequence[Any], n: int) -> tuple:
     with jagged columns (``<name>`` + ``<name>_lengths``) keeps each row's values."""
     inputs = tuple(inputs)
     if len(inputs) == 1 and isinstance(inputs[0], dict) and any(k.endswith("_lengths") for k in inputs[0]):
-        from recforge.recom.family import batch_of, select_rows
-
         batch = batch_of(inputs[0])
         return (select_rows(inputs[0], [i % batch for i in range(n)]),)
     return tile_rows(inputs, n)

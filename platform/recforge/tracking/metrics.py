@@ -1,9 +1,11 @@
 """Metric logging for training workers (a separate process that only knows the run id)."""
 from __future__ import annotations
 
+import time
 from functools import lru_cache
 
 from mlflow import MlflowClient
+from mlflow.entities import Metric
 
 
 @lru_cache(maxsize=4)
@@ -13,10 +15,6 @@ def _client(tracking_uri: str) -> MlflowClient:
 
 def log_metric_batch(client: MlflowClient, run_id: str, metrics: dict[str, float], step: int) -> None:
     """One MLflow batch of `metrics` at `step`, all stamped now; nothing is sent for an empty dict."""
-    import time
-
-    from mlflow.entities import Metric
-
     now = int(time.time() * 1000)
     batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
     if batch:
@@ -24,4 +22,5 @@ def log_metric_batch(client: MlflowClient, run_id: str, metrics: dict[str, float
 
 
 def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int) -> None:
+    """Log `metrics` at `step` into run `run_id` of the store at `tracking_uri` (one cached client per URI)."""
     log_metric_batch(_client(tracking_uri), run_id, metrics, step)

@@ -7,6 +7,7 @@ from typing import Any
 import mlflow
 from mlflow.exceptions import MlflowException
 
+from recforge.tracking.requirements import pinned_requirements
 from recforge.tracking.store import TrackingStore
 
 CHAMPION = "champion"
@@ -93,17 +94,4 @@ class ModelRegistry:
 
 def _pinned_requirements() -> list[str]:
     """The serving environment, pinned; MLflow's own inference of it takes seconds per model."""
-    from importlib.metadata import version
-
-    return [f"{pkg}=={version(pkg).split('+')[0]}" for pkg in ("torch", "torchrec", "fbgemm-gpu-cpu", "numpy")
-            if _installed(pkg)]
-
-
-def _installed(pkg: str) -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        version(pkg)
-        return True
-    except PackageNotFoundError:
-        return False
+    return pinned_requirements(("torch", "torchrec", "fbgemm-gpu-cpu", "numpy"))

@@ -15,6 +15,7 @@ from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 
 from recforge.settings import recforge_home
+from recforge.tracking.metrics import log_metric_batch
 
 RUN_KEY_TAG = "recforge.run_key"
 STAGE_TAG = "recforge.stage"
@@ -106,8 +107,6 @@ class TrackingStore:
             self.client.log_param(run_id, key, value)
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-        from recforge.tracking.metrics import log_metric_batch
-
         log_metric_batch(self.client, run_id, metrics, step)
 
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:

@@ -11,11 +11,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from recforge.train.batches import Batch, TaskBatches
 from recforge.train.loss import step_loss
+from recforge.train.metrics import auc, logloss, normalized_entropy
 from recforge.train.sharding import ShardedModel
 
 log = logging.getLogger(__name__)
@@ -78,8 +80,6 @@ class WindowMetrics:
 
     def gather(self, world_size: int, rank: int) -> dict[str, float]:
         """Collective: every rank calls it; rank 0 gets {auc, logloss, ne} of the window (others: {})."""
-        from recforge.train.metrics import auc, logloss, normalized_entropy
-
         local = (torch.cat(self.labels).numpy() if self.labels else None,
                  torch.cat(self.logits).numpy() if self.logits else None)
         self.labels, self.logits = [], []
@@ -90,8 +90,6 @@ class WindowMetrics:
             parts = [local]
         if rank != 0:
             return {}
-        import numpy as np
-
         labels = np.concatenate([p[0] for p in parts if p[0] is not None and len(p[0])] or [np.zeros(0)])
         logits = np.concatenate([p[1] for p in parts if p[1] is not None and len(p[1])] or [np.zeros(0)])
         if len(labels) == 0 or labels.min() == labels.max():

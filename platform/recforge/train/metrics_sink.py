@@ -1,4 +1,5 @@
-"""Rank 0's training metrics to MLflow (through recforge.tracking) off the training thread.
+"""Rank 0's training metrics to a tracking store (a LogFn, e.g. recforge.tracking.metrics.log_metrics) off the
+training thread.
 
 A tracking store that is slow or down must neither stall the step loop (the other ranks wait for
 rank 0 at the next collective) nor kill the job: metrics go through a queue to a background thread,
@@ -14,16 +15,6 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 LogFn = Callable[[str, str, dict[str, float], int], None]
-
-
-def tracking_log_fn() -> LogFn | None:
-    """recforge.tracking.metrics.log_metrics, or None where tracking is not available."""
-    try:
-        from recforge.tracking.metrics import log_metrics
-    except ImportError as e:
-        log.debug("recforge.tracking unavailable (%s): not logging metrics", e)
-        return None
-    return log_metrics
 
 
 class AsyncMetricsSink:

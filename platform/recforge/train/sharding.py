@@ -8,8 +8,8 @@ optimizer steps them. torchrec 1.8 allows the DENSE kernel only with data_parall
 
 Dense params (bottom/over arch, DDP-replicated) always use Adam(dense_lr).
 
-shard_model(..., placements=...): the plan comes from given per-table placements (recforge.rap.mapping.milp: the RAP
-mapping MILP's choice) instead of the planner; table_wise / column_wise get the FUSED kernel, data_parallel the
+shard_model(..., placements=...): the plan comes from given per-table placements (recforge.train.placement, e.g. the
+RAP mapping MILP's choice) instead of the planner; table_wise / column_wise get the FUSED kernel, data_parallel the
 dense one, under the same constraints the planner gets from TrainConfig (sharding_constraints).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, data_parallel, table_wise
 from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
@@ -33,9 +34,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from recforge.config import TrainConfig
 from recforge.train.model import EBC_PATH
-
-if TYPE_CHECKING:
-    from recforge.rap.mapping.milp import Placement
+from recforge.train.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +105,8 @@ def shard_model(
     The sharded model starts from `model`'s weights on every rank (torchrec copies them only for
     CUDA modules, so they are loaded back explicitly here).
 
-    placements: {table: recforge.rap.mapping.milp.Placement} for every table of the model; the plan is built from
-    them (mapping.to_torchrec), not by the planner. Every rank must pass the same placements (as every rank
+    placements: {table: Placement} for every table of the model; the plan is built from
+    them (to_torchrec), not by the planner. Every rank must pass the same placements (as every rank
     calls shard_model collectively): they are compared across `pg` and a mismatch raises on all ranks.
     Checked first (ValueError naming the table): exactly the model's tables, ranks < world_size, column_wise
     over distinct ranks into equal shards of a multiple of 4 columns, each kind allowed by
@@ -158,7 +157,7 @@ def shard_model(
 
 def make_planner(train: TrainConfig, table_names: list[str], world_size: int,
                  device_type: str) -> EmbeddingShardingPlanner:
-    """TorchRec's planner as shard_model runs it (also what recforge.rap.mapping.job_mapping compares the mapping with)."""
+    """TorchRec's planner as shard_model runs it (also the baseline RAP's mapping is compared with)."""
     topology = TopologyFactory.create_topology(
         trainer_config=TrainerConfig(world_size=world_size),
         kernel_config=KernelConfig(compute_device=device_type),
@@ -221,8 +220,6 @@ def placement_plan(ebc: torch.nn.Module, placements: Mapping[str, Placement], tr
                    device_type: str, pg: dist.ProcessGroup | None = None) -> ShardingPlan:
     """The ShardingPlan (under EBC_PATH) that puts each table where `placements` says, checked (check_placements;
     with `pg`, also equal on every rank)."""
-    from recforge.rap.mapping.milp import to_torchrec
-
     if pg is not None:  # first: ranks that disagree all fail here, none waits in a later collective
         _check_same_on_every_rank(placements, pg)
     check_placements(placements, {c.name: c.embedding_dim for c in ebc.embedding_bag_configs()}, world_size, train)
@@ -230,3 +227,17 @@ def placement_plan(ebc: torch.nn.Module, placements: Mapping[str, Placement], tr
     for table, ps in module_plan.items():  # to_torchrec leaves torchrec's default kernel (dense) everywhere
         ps.compute_kernel = placement_kernel(placements[table].kind)
     return ShardingPlan({EBC_PATH: module_plan})
+
+
+def to_torchrec(placements: Mapping[str, Placement], ebc, world_size: int, device_type: str = "cpu"):
+    """An EmbeddingModuleShardingPlan for the EmbeddingBagCollection `ebc` (DMP takes it under the EBC's path)."""
+    gen = {}
+    for table, p in placements.items():
+        if p.kind == "table_wise":
+            gen[table] = table_wise(rank=p.ranks[0])
+        elif p.kind == "column_wise":
+            gen[table] = column_wise(ranks=list(p.ranks))
+        else:
+            gen[table] = data_parallel()
+    return construct_module_sharding_plan(ebc, gen, local_size=world_size, world_size=world_size,
+                                          device_type=device_type)

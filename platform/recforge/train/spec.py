@@ -14,7 +14,7 @@ from recforge.train.recovery.spec import RecoverySpec
 
 
 class WorkerSpec(BaseModel):
-    """`python -m recforge.worker.main SPEC_JSON` reads one of these (the same file for every rank)."""
+    """`python -m recforge.worker SPEC_JSON` reads one of these (the same file for every rank)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -18,20 +18,21 @@ DAG_ID = "recforge_daily"
 
 
 def airflow_auth_dependency() -> Any:
-    from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
-    from airflow.api_fastapi.core_api.security import requires_access_dag
+    # Airflow's API security stack: the plugin module loads in every Airflow process, only the api-server needs it
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity  # lazy: see above
+    from airflow.api_fastapi.core_api.security import requires_access_dag  # lazy: see above
 
     return requires_access_dag("GET", DagAccessEntity.RUN, param_dag_id=DAG_ID)
 
 
 def airflow_base_url() -> str:
-    from airflow.configuration import conf
+    from airflow.configuration import conf  # lazy: read when the api-server builds the app, not at plugin load
 
     return (conf.get("api", "base_url", fallback="") or "/").rstrip("/") + "/"
 
 
 def create_airflow_app() -> FastAPI:
-    from recforge.ui.app import create_app
+    from recforge.ui.app import create_app  # lazy: FastAPI + the page's data layer, built on the first request
 
     return create_app(auth=airflow_auth_dependency(), airflow_url=airflow_base_url())
 

@@ -13,7 +13,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from recforge.pipelines.context import EXPERIMENT
-from recforge.tracking.store import PARENT_STAGE, RUN_KEY_TAG, STAGE_TAG
+from recforge.tracking.store import PARENT_STAGE, RUN_KEY_TAG, STAGE_TAG, TrackingStore
 
 MAX_ARTIFACT_BYTES = 4 << 20
 # what recforge.tracking.resource_models logs for the DLRover-RM stages
@@ -35,7 +35,7 @@ class MlflowRun:
     tags: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, run) -> "MlflowRun":
+    def of(cls, run) -> MlflowRun:
         return cls(run.info.run_id, run.info.experiment_id, run.info.status, run.info.start_time,
                    run.info.end_time, run.info.artifact_uri, dict(run.data.params), dict(run.data.metrics),
                    {k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.")})
@@ -56,8 +56,6 @@ class MlflowView:
     @property
     def store(self):
         if self._store is None:
-            from recforge.tracking import TrackingStore
-
             self._store = TrackingStore(self.tracking_uri)
         return self._store
 

@@ -1,7 +1,8 @@
 """Pipeline runs as the stages recorded them: $RECFORGE_HOME/runs/<experiment>/<run key>/<stage>/outputs.json.
 
 Read-only. A run is whatever directory exists; a stage without outputs.json is missing, one whose file does not
-parse is reported with the reason. Nothing here follows a path outside the run's directory.
+parse or does not hold the stage's model (recforge.pipelines.outputs) is reported with the reason (the fields).
+Nothing here follows a path outside the run's directory.
 """
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from recforge.pipelines.context import EXPERIMENT
-from recforge.pipelines.runner import STAGES
+from recforge.pipelines.outputs import STAGE_OUTPUTS, O, OutputsError, PlanOutputs, StageOutputs, parse_outputs
 from recforge.settings import recforge_home
 
 RUN_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")  # what recforge.pipelines.context.run_key_from produces
 MAX_JSON_BYTES = 8 << 20
+STAGES = list(STAGE_OUTPUTS)  # the pipeline's stages in order (recforge.pipelines.runner.STAGES)
 
 
 class RunNotFound(LookupError):
@@ -26,8 +28,9 @@ class RunNotFound(LookupError):
 @dataclass
 class StageRecord:
     name: str
-    outputs: dict[str, Any] | None = None
-    problem: str | None = None  # outputs.json exists but cannot be read
+    outputs: StageOutputs | None = None  # outputs.json as the stage's model, where it validates
+    raw: dict[str, Any] | None = None  # what outputs.json holds, shown even when it does not validate
+    problem: str | None = None  # outputs.json exists but cannot be read or does not validate
 
     @property
     def done(self) -> bool:
@@ -41,9 +44,14 @@ class RunRecord:
     modified: float
     stages: dict[str, StageRecord] = field(default_factory=dict)
 
-    def outputs(self, stage: str) -> dict[str, Any] | None:
+    def read(self, model: type[O]) -> O | None:
+        """A stage's recorded outputs as its model; None where the stage has none (or they do not validate)."""
+        record = self.stages.get(model.stage)
+        return record.outputs if record is not None and isinstance(record.outputs, model) else None
+
+    def raw(self, stage: str) -> dict[str, Any] | None:
         record = self.stages.get(stage)
-        return record.outputs if record else None
+        return record.raw if record else None
 
     @property
     def done(self) -> list[str]:
@@ -96,7 +104,12 @@ def _load(path: Path) -> RunRecord:
             data, problem = read_json(out)
             if problem is None and not isinstance(data, dict):
                 data, problem = None, f"outputs.json holds a {type(data).__name__}, not an object"
-            record.outputs, record.problem = data, problem
+            record.raw, record.problem = data, problem
+            if data is not None:
+                try:
+                    record.outputs = parse_outputs(STAGE_OUTPUTS[stage], data, "outputs.json")
+                except OutputsError as e:
+                    record.problem = str(e)
             run.modified = max(run.modified, out.stat().st_mtime)
         run.stages[stage] = record
     return run
@@ -119,10 +132,10 @@ def load_run(root: Path, run_key: str) -> RunRecord:
 
 def load_plan(run: RunRecord) -> tuple[dict[str, Any] | None, str | None]:
     """The preprocessing plan the run trained with (plan_resources' preprocess_plan.json)."""
-    out = run.outputs("plan_resources")
+    out = run.read(PlanOutputs)
     if out is None:
         return None, None
-    path = run.inside(out.get("plan_path"), "plan_resources")
+    path = run.inside(out.plan_path, "plan_resources")
     if path is None:
         return None, "the plan file recorded by plan_resources is missing"
     data, problem = read_json(path)

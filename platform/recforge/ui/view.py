@@ -1,14 +1,10 @@
 """Turn a run's recorded outputs and its MLflow runs into the page's sections; a section exists only where its
 data does. Pure data (strings, numbers, lists): the templates render it with escaping on.
 
-Recorded keys the page knows (later issues add theirs; anything else still shows under "recorded outputs"):
-  plan_resources: plan_path, workers, threads_per_worker, tables, dlrover,
-                  fusion (RAP's CompiledPlan.summary(): method, objective, launches, groups),
-                  rap_schedule (Gantt: {"unit", "tasks": [{"name", "lane", "start", "end", "kind"?}]})
-  train:          samples_per_s, steps, wall_s, world_size, rap_schedule, resource_decisions (event dicts)
-  evaluate:       auc, logloss, ne, auc_ceiling
-  compile:        report (backend, num_columns, ops_*, max_abs_diff, *_median_ms, speedup, signature_groups, ...)
-  publish:        model_name, version, promoted, reason, pipeline_run_id
+Each stage's outputs are read as its model (recforge.pipelines.outputs); a file that does not validate is listed
+under the problems with the fields, and still shows raw under "recorded outputs". Optional fields that get their own
+section: plan_resources/train `rap_schedule` (Gantt), `resource_decisions` (event dicts), plan_resources `fusion`;
+compile report fields the model does not declare show as they are.
 MLflow artifacts: resource_model/events.jsonl (plan_resources, train), resource_model/record.json and
 resource_model/predicted_vs_measured.png (train).
 """
@@ -17,9 +13,18 @@ from __future__ import annotations
 import base64
 import json
 import math
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
+from recforge.pipelines.outputs import (
+    CompileOutputs,
+    EvaluateOutputs,
+    GenerateOutputs,
+    IngestOutputs,
+    PlanOutputs,
+    PublishOutputs,
+    TrainOutputs,
+)
 from recforge.ui import charts
 from recforge.ui.links import MlflowLinks
 from recforge.ui.mlflow_view import EVENTS_ARTIFACT, PLOT_ARTIFACT, RECORD_ARTIFACT, MlflowRun, MlflowView
@@ -57,7 +62,7 @@ def fmt(value: Any) -> str:
 def when(seconds: float | None) -> str:
     if not seconds:
         return "–"
-    return datetime.fromtimestamp(seconds, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return datetime.fromtimestamp(seconds, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _num(d: dict | None, key: str) -> float | None:
@@ -91,7 +96,7 @@ def stage_states(run: RunRecord, mlruns: dict[str, MlflowRun], links: MlflowLink
             state = "running"
         else:
             state = "missing"
-        run_id = (rec.outputs or {}).get("mlflow_run_id") or (ml.run_id if ml else None)
+        run_id = (rec.outputs.mlflow_run_id if rec.outputs else None) or (ml.run_id if ml else None)
         exp = ml.experiment_id if ml else None
         rows.append({"name": stage, "state": state, "problem": rec.problem, "run_id": run_id,
                      "url": links.run(exp or _exp_of(mlruns), run_id)})
@@ -103,28 +108,19 @@ def _exp_of(mlruns: dict[str, MlflowRun]) -> str | None:
 
 
 def run_summary(run: RunRecord, parent: MlflowRun | None, links: MlflowLinks, experiment_id: str | None) -> dict:
-    """One row of the runs list (a run whose outputs are not understood still gets its row)."""
-    try:
-        return _summary(run, parent, links, experiment_id)
-    except (TypeError, ValueError, KeyError, AttributeError) as e:
-        return {"run_key": run.run_key, "modified": when(run.modified), "complete": False,
-                "status": f"outputs not understood ({type(e).__name__})", "auc": "–", "ceiling": "–",
-                "speedup": "–", "model": None, "model_url": None, "promoted": "–", "mlflow_url": None, "params": {}}
-
-
-def _summary(run: RunRecord, parent: MlflowRun | None, links: MlflowLinks, experiment_id: str | None) -> dict:
-    ev, comp, pub = run.outputs("evaluate"), run.outputs("compile"), run.outputs("publish")
-    report = (comp or {}).get("report") if isinstance((comp or {}).get("report"), dict) else {}
+    """One row of the runs list (a stage whose outputs do not validate counts as not done)."""
+    ev, comp, pub = run.read(EvaluateOutputs), run.read(CompileOutputs), run.read(PublishOutputs)
     params = parent.params if parent else {}
     failed_at = next((s for s in STAGES if not run.stages[s].done), None)
     return {
         "run_key": run.run_key, "modified": when(run.modified),
         "status": "complete" if failed_at is None else f"{len(run.done)}/{len(STAGES)} stages (next: {failed_at})",
         "complete": failed_at is None,
-        "auc": fmt(_num(ev, "auc")), "ceiling": fmt(_num(ev, "auc_ceiling")), "speedup": fmt(_num(report, "speedup")),
-        "model": f"{pub.get('model_name')} v{pub.get('version')}" if pub else None,
-        "model_url": links.model_version(pub.get("model_name"), pub.get("version")) if pub else None,
-        "promoted": fmt(pub.get("promoted")) if pub else "–",
+        "auc": fmt(ev.auc if ev else None), "ceiling": fmt(ev.auc_ceiling if ev else None),
+        "speedup": fmt(comp.report.speedup if comp else None),
+        "model": f"{pub.model_name} v{pub.version}" if pub else None,
+        "model_url": links.model_version(pub.model_name, pub.version) if pub else None,
+        "promoted": fmt(pub.promoted) if pub else "–",
         "mlflow_url": links.run(experiment_id, parent.run_id if parent else None),
         "params": {k: params[k] for k in ("rows_per_day", "seed", "resources.workers") if k in params},
     }
@@ -159,7 +155,7 @@ def run_detail(run: RunRecord, ml: MlflowView, links: MlflowLinks) -> dict[str, 
     page["evaluation"] = section("evaluation", _evaluation_section, run)
     page["compile"] = section("compile", _compile_section, run)
     page["publish"] = section("publish", _publish_section, run, ml, links, exp)
-    page["raw"] = [{"stage": s, "json": _pretty(run.outputs(s))} for s in STAGES if run.outputs(s) is not None]
+    page["raw"] = [{"stage": s, "json": _pretty(run.raw(s))} for s in STAGES if run.raw(s) is not None]
     page["problems"] = problems + ml.problems
     return page
 
@@ -170,25 +166,24 @@ def _pretty(data: Any) -> str:
 
 
 def _data_section(run: RunRecord) -> dict | None:
-    gen, ing = run.outputs("generate"), run.outputs("ingest")
+    gen, ing = run.read(GenerateOutputs), run.read(IngestOutputs)
     if gen is None and ing is None:
         return None
     rows = []
     if gen is not None:
-        rows.append(("source", "synthetic (generated)" if gen.get("synthetic") else "raw day files"))
-        rows.append(("day files", fmt(len(gen.get("files") or []))))
-        if gen.get("bayes_auc"):
-            rows.append(("Bayes AUC ceiling per day", ", ".join(fmt(_num({"v": a}, "v")) for a in gen["bayes_auc"])))
+        rows.append(("source", "synthetic (generated)" if gen.synthetic else "raw day files"))
+        rows.append(("day files", fmt(len(gen.files))))
+        if gen.bayes_auc:
+            rows.append(("Bayes AUC ceiling per day", ", ".join(fmt(a) for a in gen.bayes_auc)))
     if ing is not None:
-        for split in ("train", "holdout"):
-            part = ing.get(split) if isinstance(ing.get(split), dict) else {}
+        for split, part in (("train", ing.train), ("holdout", ing.holdout)):
             rows.append((f"{split} rows (shards, quarantined)",
-                         f"{fmt(part.get('rows'))} ({fmt(part.get('shards'))}, {fmt(part.get('quarantined'))})"))
+                         f"{fmt(part.rows)} ({fmt(part.shards)}, {fmt(part.quarantined)})"))
     return {"rows": rows}
 
 
 def _plan_section(run: RunRecord) -> dict | None:
-    out = run.outputs("plan_resources")
+    out = run.read(PlanOutputs)
     if out is None:
         return None
     plan, problem = load_plan(run)
@@ -201,7 +196,7 @@ def _plan_section(run: RunRecord) -> dict | None:
     for f in features:
         ops = " → ".join(part.split("(")[0] for part in f["chain"].split(" → ")) if f["chain"] else "–"
         chains.setdefault((str(f["kind"]), ops), []).append(str(f["name"]))
-    fusion = out.get("fusion") if isinstance(out.get("fusion"), dict) else None
+    fusion = out.fusion
     groups = []
     if fusion:
         for g in fusion.get("groups") or []:
@@ -221,13 +216,13 @@ def _name_span(names: list[str]) -> str:
 
 
 def _schedule_section(run: RunRecord) -> dict | None:
-    for stage in ("plan_resources", "train"):
-        schedule = (run.outputs(stage) or {}).get("rap_schedule")
+    for out in (run.read(PlanOutputs), run.read(TrainOutputs)):
+        schedule = out.rap_schedule if out is not None else None
         if schedule is not None:
             try:
-                return {"stage": stage, "chart": charts.gantt(schedule), "problem": None}
+                return {"stage": out.stage, "chart": charts.gantt(schedule), "problem": None}
             except charts.ChartError as e:
-                return {"stage": stage, "chart": None, "problem": str(e)}
+                return {"stage": out.stage, "chart": None, "problem": str(e)}
     return None
 
 
@@ -245,12 +240,12 @@ def _workers_of(plan: Any) -> float | None:
 
 
 def _resource_section(run: RunRecord, mlruns: dict[str, MlflowRun], ml: MlflowView) -> dict | None:
-    plan_out, train_out = run.outputs("plan_resources"), run.outputs("train")
+    plan_out, train_out = run.read(PlanOutputs), run.read(TrainOutputs)
     events: list[dict] = []
-    for stage in ("plan_resources", "train"):
-        recorded = (run.outputs(stage) or {}).get("resource_decisions")
-        if isinstance(recorded, list):
-            events += [e for e in recorded if isinstance(e, dict)]
+    for stage, out in (("plan_resources", plan_out), ("train", train_out)):
+        recorded = out.resource_decisions if out is not None else None
+        if recorded is not None:
+            events += recorded
         elif stage in mlruns:
             events += ml.artifact_jsonl(mlruns[stage], EVENTS_ARTIFACT)
     train_run = mlruns.get("train")
@@ -285,8 +280,9 @@ def _resource_section(run: RunRecord, mlruns: dict[str, MlflowRun], ml: MlflowVi
         model_rows.insert(0, ("final plan", json.dumps(record["final_plan"], default=str)))
     return {
         "policy": (mlruns.get("pipeline").params.get("resources.policy") if mlruns.get("pipeline") else None),
-        "workers": fmt((plan_out or {}).get("workers")), "threads": fmt((plan_out or {}).get("threads_per_worker")),
-        "world_size": fmt((train_out or {}).get("world_size")),
+        "workers": fmt(plan_out.workers if plan_out else None),
+        "threads": fmt(plan_out.threads_per_worker if plan_out else None),
+        "world_size": fmt(train_out.world_size if train_out else None),
         "decisions": decisions,
         "chart": charts.step_series(points, "workers", x_label="decision") if len(points) > 1 else None,
         "plot": base64.b64encode(plot).decode() if plot else None, "model_rows": model_rows,
@@ -294,49 +290,50 @@ def _resource_section(run: RunRecord, mlruns: dict[str, MlflowRun], ml: MlflowVi
 
 
 def _training_section(run: RunRecord, train_run: MlflowRun | None) -> dict | None:
-    out = run.outputs("train")
+    out = run.read(TrainOutputs)
     if out is None:
         return None
-    rows = [("samples/s", fmt(_num(out, "samples_per_s"))), ("steps", fmt(out.get("steps"))),
-            ("workers (world size)", fmt(out.get("world_size"))), ("wall time (s)", fmt(_num(out, "wall_s")))]
+    rows = [("samples/s", fmt(out.samples_per_s)), ("steps", fmt(out.steps)),
+            ("workers (world size)", fmt(out.world_size)), ("wall time (s)", fmt(out.wall_s))]
     if train_run and "final_train_loss" in train_run.metrics:
         rows.append(("final train loss", fmt(train_run.metrics["final_train_loss"])))
     return {"rows": rows}
 
 
 def _evaluation_section(run: RunRecord) -> dict | None:
-    ev = run.outputs("evaluate")
+    ev = run.read(EvaluateOutputs)
     if ev is None:
         return None
-    auc, ceiling = _num(ev, "auc"), _num(ev, "auc_ceiling")
+    auc, ceiling = ev.auc, ev.auc_ceiling
     rows = [("AUC", fmt(auc)), ("AUC ceiling (Bayes-optimal)", fmt(ceiling))]
     if auc is not None and ceiling is not None:
         rows.append(("gap to ceiling", fmt(ceiling - auc)))
         # AUC 0.5 is chance: the share of the attainable lift over chance the model reached
         if ceiling > 0.5:
             rows.append(("lift over chance reached", f"{100 * (auc - 0.5) / (ceiling - 0.5):.1f} %"))
-    rows += [("log loss", fmt(_num(ev, "logloss"))), ("normalized entropy", fmt(_num(ev, "ne"))),
-             ("rows evaluated", fmt(_num(ev, "rows")))]
+    rows += [("log loss", fmt(ev.logloss)), ("normalized entropy", fmt(ev.ne)), ("rows evaluated", fmt(ev.rows))]
     return {"rows": rows, "auc": auc, "ceiling": ceiling}
 
 
 def _compile_section(run: RunRecord) -> dict | None:
-    out = run.outputs("compile")
+    out = run.read(CompileOutputs)
     if out is None:
         return None
-    report = out.get("report") if isinstance(out.get("report"), dict) else {}
-    known = {k for k, _ in COMPILE_FIELDS} | {"latency", "signature_groups", "fused_groups"}
-    rows = [(label, fmt(report.get(key))) for key, label in COMPILE_FIELDS if key in report]
-    lat = report.get("latency") if isinstance(report.get("latency"), dict) else {}
-    if lat:
-        rows.append(("latency measured at", f"batch {fmt(lat.get('batch_size'))}, {fmt(lat.get('threads'))} thread(s)"))
+    report = out.report
+    rows = [(label, fmt(getattr(report, key))) for key, label in COMPILE_FIELDS if key in report.model_fields_set]
+    lat = report.latency
+    if lat is not None:
+        rows.append(("latency measured at", f"batch {fmt(lat.batch_size)}, {fmt(lat.threads)} thread(s)"))
+    # fields the report model does not declare: the embedding groups get their own table, the rest show as they are
+    extras = report.extras
+    group_fields = ("signature_groups", "fused_groups")
     other = [(k, fmt(v) if not isinstance(v, (dict, list)) else json.dumps(v, default=str))
-             for k, v in report.items() if k not in known]
-    groups = report.get("signature_groups") or report.get("fused_groups") or {}
+             for k, v in extras.items() if k not in group_fields]
+    groups = extras.get("signature_groups") or extras.get("fused_groups") or {}
     if isinstance(groups, list):
         groups = {str(g): "" for g in groups}
     bars = []
-    eager, compiled = _num(report, "eager_median_ms"), _num(report, "compiled_median_ms")
+    eager, compiled = report.eager_median_ms, report.compiled_median_ms
     if eager and compiled:
         top = max(eager, compiled)
         bars = [{"label": "eager", "ms": fmt(eager), "pct": round(100 * eager / top, 1)},
@@ -346,14 +343,14 @@ def _compile_section(run: RunRecord) -> dict | None:
 
 
 def _publish_section(run: RunRecord, ml: MlflowView, links: MlflowLinks, exp: str | None) -> dict | None:
-    pub = run.outputs("publish")
+    pub = run.read(PublishOutputs)
     if pub is None:
         return None
-    name, version = pub.get("model_name"), pub.get("version")
-    mv = ml.model_version(str(name), str(version)) if name and version is not None else None
+    name, version = pub.model_name, pub.version
+    mv = ml.model_version(name, version)
     return {
         "model": f"{name} v{version}", "url": links.model_version(name, version),
-        "promoted": fmt(pub.get("promoted")), "reason": pub.get("reason"),
+        "promoted": fmt(pub.promoted), "reason": pub.reason,
         "aliases": ", ".join(mv["aliases"]) if mv and mv["aliases"] else "–",
         "status": mv["status"] if mv else "–",
         "source_run_url": links.run(exp, mv["run_id"]) if mv else None,

@@ -187,7 +187,7 @@ class MasterClient:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "MasterClient":
+    def __enter__(self) -> MasterClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

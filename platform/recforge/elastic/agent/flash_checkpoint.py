@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ class FlashPersister:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "FlashPersister":
+    def start(self) -> FlashPersister:
         self.memory_root.mkdir(parents=True, exist_ok=True)
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="recforge-flash-persister", daemon=True)
@@ -130,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s flash-agent %(levelname)s: %(message)s")
     persister = FlashPersister(args.memory_root, args.disk_root, keep=args.keep, poll_s=args.poll_s).start()
-    import signal
-
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     try:

@@ -14,6 +14,7 @@ interfaces and to advertise the master pod's IP (POD_IP, from the downward API).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -24,8 +25,16 @@ from typing import Any
 
 from recforge.elastic.backends.base import JobFailedError
 from recforge.elastic.backends.k8s_manifests import (
-    GENERATION_LABEL, JOB_LABEL, WORKER_APP, JobPodSettings, PodResources, rdzv_service_name, rendezvous_service,
-    selector, validate, worker_pod,
+    GENERATION_LABEL,
+    JOB_LABEL,
+    WORKER_APP,
+    JobPodSettings,
+    PodResources,
+    rdzv_service_name,
+    rendezvous_service,
+    selector,
+    validate,
+    worker_pod,
 )
 from recforge.elastic.policy import ResourcePlan
 
@@ -93,7 +102,7 @@ class KubernetesBackend:
     # ---- the client ------------------------------------------------------------------------
     @property
     def core(self):
-        from kubernetes import client, config
+        from kubernetes import client, config  # lazy: the kubernetes client only when this backend runs
 
         if self._api is None:
             try:
@@ -110,7 +119,7 @@ class KubernetesBackend:
 
     # ---- Backend ---------------------------------------------------------------------------
     def launch(self, spec_path: Path, plan: ResourcePlan) -> K8sHandle:
-        from kubernetes.client import ApiException
+        from kubernetes.client import ApiException  # lazy: the kubernetes client only when this backend runs
 
         generation = self._launches
         self._launches += 1
@@ -160,7 +169,7 @@ class KubernetesBackend:
                 return code
 
     def stop(self, handle: K8sHandle) -> None:
-        from kubernetes.client import ApiException
+        from kubernetes.client import ApiException  # lazy: the kubernetes client only when this backend runs
 
         for name in handle.pods:
             try:
@@ -172,7 +181,7 @@ class KubernetesBackend:
             handle.exit_code = -15
 
     def log_tail(self, handle: K8sHandle) -> str:
-        from kubernetes.client import ApiException
+        from kubernetes.client import ApiException  # lazy: the kubernetes client only when this backend runs
 
         out = []
         for name in handle.failed or handle.pods:
@@ -201,7 +210,7 @@ class KubernetesBackend:
 
     def cleanup(self) -> None:
         """Delete every pod and the Service of this job (all launches)."""
-        from kubernetes.client import ApiException
+        from kubernetes.client import ApiException  # lazy: the kubernetes client only when this backend runs
 
         core, ns = self.core, self.settings.namespace
         for pod in core.list_namespaced_pod(ns, label_selector=selector(self.settings.job_id)).items:
@@ -259,8 +268,8 @@ class KubernetesBackend:
                 handle.phases[name], handle.reasons[name] = "Gone", "deleted or evicted"
 
     def _watch(self, handle: K8sHandle, window_s: float) -> None:
-        from kubernetes import watch
-        from urllib3.exceptions import ProtocolError, ReadTimeoutError
+        from kubernetes import watch  # lazy: the kubernetes client only when this backend runs
+        from urllib3.exceptions import ProtocolError, ReadTimeoutError  # lazy: comes with the kubernetes client
 
         w = watch.Watch()
         try:
@@ -309,8 +318,6 @@ def backend_from_environment(state_dir: str | Path) -> KubernetesBackend:
     if not image:
         raise ValueError("resources.backend='kubernetes' needs RECFORGE_IMAGE (the worker image) in the environment")
     name = re.sub(r"[^a-z0-9-]+", "-", Path(state_dir).resolve().parent.name.lower()).strip("-")[:40] or "job"
-    import hashlib
-
     job_id = f"{name}-{hashlib.sha1(str(Path(state_dir).resolve()).encode()).hexdigest()[:8]}"
     settings = JobPodSettings(
         namespace=os.environ.get("POD_NAMESPACE", "recforge"), job_id=job_id, image=image,

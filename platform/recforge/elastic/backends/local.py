@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Mapping
 
+import psutil
+
 from recforge.elastic.backends.base import JobFailedError
 from recforge.elastic.policy import ResourcePlan
 
-DEFAULT_WORKER_MODULE = "recforge.worker.main"
+DEFAULT_WORKER_MODULE = "recforge.worker"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -141,8 +143,6 @@ class LocalBackend:
 
     def worker_memory(self, handle: LocalHandle) -> list[float]:
         """Resident memory (bytes) of each worker process, by rank where the process says it (RANK)."""
-        import psutil
-
         out = []
         try:
             children = psutil.Process(handle.proc.pid).children()  # torchrun's own children are the ranks
@@ -181,8 +181,6 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 
 def _descendants(pid: int) -> list:
-    import psutil
-
     try:
         return psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -190,8 +188,6 @@ def _descendants(pid: int) -> list:
 
 
 def _kill_when_alive(proc, deadline: float) -> None:
-    import psutil
-
     try:
         proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     except psutil.TimeoutExpired:

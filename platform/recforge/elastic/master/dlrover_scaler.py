@@ -1,4 +1,4 @@
-"""DLRover-RM stages 2 and 3 (recforge.elastic.optimizer.dlrover) executed through the supervisor's rescales.
+"""DLRover-RM stages 2 and 3 (recforge.elastic.optimizer) executed through the supervisor's rescales.
 
 A `Scaler` for run_training_job's supervisor. Every poll (at most every `min_interval_s`) it turns
 the job master's state into an `Observation`: throughput from the rows done between two polls (a
@@ -6,15 +6,9 @@ window counts when training went on in the windows around it, so start-up and sh
 each worker's step time from the rows it reported since its group started, the workers' resident
 memory and the seconds the launch has been pending (`state["launch"]`, from the backend), the plan
 the group runs. Stage 3 (`InstabilityStage`) sees it first; when it asks for nothing executable,
-stage 2 (`RuntimeStage`) does. The first executable decision becomes a `supervisor.Rescale`:
-
-| decision | carried out as |
-|---|---|
-| stage 2: workers or cores per worker change | checkpoint, stop, relaunch at the new plan (resharded) |
-| straggler (step time > 2x the median) | checkpoint, stop, relaunch at the same size (new processes / pods) |
-| predicted memory exhaustion / OOM | Kubernetes: relaunch with the event's pod memory; local: relaunch with twice the gradient accumulation (half the per-rank micro-batch, same global batch) |
-| pods pending past the timeout | killed at once (nothing trained to save) and relaunched smaller |
-| hot server / shard, server changes, memory right-sizing | not executable for our all-to-all TorchRec trainer: logged, marked "not executed" |
+stage 2 (`RuntimeStage`) does. The first executable decision becomes a `supervisor.Rescale` (a
+checkpoint-stop-relaunch; which decision becomes which relaunch: docs/fault_tolerance.md). Decisions about
+servers are not executable for our all-to-all TorchRec trainer: logged, marked "not executed".
 
 An event is marked `executed` (and its reason says how) when the relaunch carrying it starts, or
 "not executed: <why>" when the supervisor or the master refused it. Executions are paced: at most
@@ -28,13 +22,16 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
-from recforge.elastic.optimizer.events import Event
-from recforge.elastic.optimizer.dlrover import DLRoverPolicy, JobPlan, Observation
-from recforge.elastic.policy import ResourcePlan
 from recforge.elastic.master.supervisor import Rescale
+from recforge.elastic.optimizer.events import Event
+from recforge.elastic.optimizer.observation import Observation
+from recforge.elastic.optimizer.plans import PodPlan, optimizer_config
+from recforge.elastic.optimizer.policy import DLRoverPolicy
+from recforge.elastic.policy import ResourcePlan
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +55,7 @@ class DLRoverScaler:
         self.memory_action, self.max_grad_accumulation = memory_action, max_grad_accumulation
         self.runtime = policy.runtime()
         self.instability = policy.instability()
-        self.plan: JobPlan = policy.warm.plan
+        self.plan: PodPlan = policy.warm.plan
         self.events: list[Event] = []
         self.measured: list[dict[str, Any]] = []  # one per poll with throughput: plan and samples/s
         self._last: tuple[float, int] | None = None
@@ -144,7 +141,7 @@ class DLRoverScaler:
         elif not e.changes_plan or e.plan_after is None:
             return None
         else:
-            new = JobPlan.from_dict(e.plan_after)
+            new = PodPlan.from_dict(e.plan_after)
         paced = (self._last_executed_s is not None and e.time_s - self._last_executed_s < self.policy.config.interval_s
                  and e.action != "relaunch_smaller")
         if e.action in NOT_EXECUTABLE:
@@ -174,7 +171,7 @@ class DLRoverScaler:
         return self._skip(e, "only memory or server fields change; the local and Kubernetes launchers set those per "
                              "backend, not per plan")
 
-    def _settler(self, e: Event, new: JobPlan) -> Callable[[bool, str], None]:
+    def _settler(self, e: Event, new: PodPlan) -> Callable[[bool, str], None]:
         def settle(applied: bool, note: str) -> None:
             if applied:
                 e.executed = True
@@ -211,8 +208,6 @@ def scaler_from_stage1(state: dict[str, Any], settings: Any = None, *, memory_ac
     """The stage 2/3 controller of a pipeline job from the plan task's stage 1 state and the pipeline's
     resources.dlrover settings (recforge.config.DLRoverConfig; None: DLRover's defaults). An unreadable
     state raises ValueError naming the problem."""
-    from recforge.elastic.optimizer.dlrover import optimizer_config
-
     policy = DLRoverPolicy.from_stage1(state, optimizer_config(settings))
     interval = float(settings.profile_interval_s) if settings is not None else 5.0
     return DLRoverScaler(policy, min_interval_s=interval, memory_action=memory_action, clock=clock)

@@ -1,6 +1,6 @@
 """Failover policy (DLRover `_should_relaunch`): relaunch a failed worker group or give up, and how.
 
-Workers record their exception (`record_exception`, called by recforge.worker.main) as
+Workers record their exception (`record_exception`, called by recforge.worker) as
 `<failures_dir>/gen<g>-rank<r>.json`; the supervisor turns a failed launch into a `Failure` and asks
 `FailoverPolicy.decide`:
 
@@ -124,7 +124,7 @@ class Failure:
 
     @classmethod
     def from_launch(cls, exit_code: int | None, records: list[FailureRecord], generations: list[int],
-                    hang: bool = False, detail: str = "", oom_killed: bool = False) -> "Failure":
+                    hang: bool = False, detail: str = "", oom_killed: bool = False) -> Failure:
         """`oom_killed`: the platform reports an out-of-memory kill (Kubernetes: reason OOMKilled)."""
         primary = [r for r in records if not r.collateral]
         if hang:

@@ -12,6 +12,7 @@ import logging
 import signal
 import threading
 import time
+from pathlib import Path
 
 from recforge.elastic.master.service import JobMaster, shard_rows_from_manifest
 
@@ -44,8 +45,6 @@ def main(argv: list[str] | None = None) -> int:
         new_launch=args.new_launch,
     ).start()
     if args.url_file:
-        from pathlib import Path
-
         tmp = Path(args.url_file + ".tmp")
         tmp.write_text(master.url)
         tmp.replace(args.url_file)

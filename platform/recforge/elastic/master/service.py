@@ -34,10 +34,12 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
@@ -195,7 +197,7 @@ class JobMaster:
         self.app = self._build_app()
 
     @classmethod
-    def from_manifest(cls, manifest_dir: str | Path, **kwargs: Any) -> "JobMaster":
+    def from_manifest(cls, manifest_dir: str | Path, **kwargs: Any) -> JobMaster:
         return cls(shard_rows_from_manifest(manifest_dir), **kwargs)
 
     @property
@@ -205,9 +207,7 @@ class JobMaster:
         return f"http://{self.advertise_host}:{self.port}"
 
     # ---- lifecycle -----------------------------------------------------------------------
-    def start(self, timeout_s: float = 15.0) -> "JobMaster":
-        import uvicorn
-
+    def start(self, timeout_s: float = 15.0) -> JobMaster:
         if self._thread is not None:
             raise RuntimeError("JobMaster.start: already started")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -247,7 +247,7 @@ class JobMaster:
         with self._lock:
             self._persist()
 
-    def __enter__(self) -> "JobMaster":
+    def __enter__(self) -> JobMaster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

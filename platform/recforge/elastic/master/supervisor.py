@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from recforge.elastic.backends.base import Backend, JobFailedError
-from recforge.elastic.master.failover import Failure, FailoverPolicy, read_records
+from recforge.elastic.master.failover import FailoverPolicy, Failure, read_records
 from recforge.elastic.master.service import JobMaster, MasterRejection
 from recforge.elastic.policy import ResourcePlan
 

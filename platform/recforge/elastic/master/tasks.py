@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import bisect
 import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -89,7 +90,7 @@ class Requeued:
     def __bool__(self) -> bool:
         return bool(self.requeued or self.poisoned)
 
-    def extend(self, other: "Requeued") -> None:
+    def extend(self, other: Requeued) -> None:
         self.requeued.extend(other.requeued)
         self.poisoned.extend(other.poisoned)
 
@@ -119,7 +120,7 @@ class _Record:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "_Record":
+    def from_dict(cls, d: dict[str, Any]) -> _Record:
         return cls(
             task=Task.model_validate(d["task"]),
             order=int(d["order"]),
@@ -175,7 +176,7 @@ class TaskQueue:
         self._prev_done: dict[str, tuple[str, int]] = {}  # previous epoch's DONE tasks: completer, rows
         self._start_epoch()
 
-    def restarted(self) -> "TaskQueue":
+    def restarted(self) -> TaskQueue:
         """A queue of the same data and settings with nothing done (a job starting over)."""
         return TaskQueue(self.shard_rows, self.rows_per_task, self.epochs, lease_timeout_s=self.lease_timeout_s,
                          max_retries=self.max_retries, shuffle_seed=self.shuffle_seed)
@@ -424,7 +425,7 @@ class TaskQueue:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TaskQueue":
+    def from_dict(cls, d: dict[str, Any]) -> TaskQueue:
         if d.get("version") != STATE_VERSION:
             raise ValueError(f"task queue state: unsupported version {d.get('version')!r} (expected {STATE_VERSION})")
         q = cls(

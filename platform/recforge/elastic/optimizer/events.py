@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 STAGES = ("warm_start", "runtime", "instability")
 
@@ -57,7 +58,7 @@ class Event:
         return _clean(asdict(self))
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Event":
+    def from_dict(cls, d: dict[str, Any]) -> Event:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 

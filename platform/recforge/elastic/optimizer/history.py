@@ -2,15 +2,16 @@
 
 A `JobRecord` is what one finished job leaves behind: which data and model family it trained, the plan
 it ended with, the throughput it measured and its fitted resource / memory models. `History` is the
-seam: `InMemoryHistory` serves tests and the simulator; `recforge.tracking.resource_models.MlflowHistory`
-reads the records back from MLflow runs (the only place that talks to MLflow). A record whose model
+seam: `InMemoryHistory` serves tests and the simulator; `resource_store.MlflowHistory` reads the
+records back from MLflow runs (through recforge.tracking, the only package that talks to MLflow). A record whose model
 artifact is missing or corrupt is still useful for its final plan: `model` is then None and the
 problem is listed in `History.problems`.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from recforge.elastic.optimizer.memory_model import MemoryModel
 from recforge.elastic.optimizer.throughput_model import ThroughputModel
@@ -20,7 +21,7 @@ from recforge.elastic.optimizer.throughput_model import ThroughputModel
 class JobRecord:
     dataset: str                     # dataset preset (or trace "scenario")
     model_family: str                # e.g. "dlrm", "dlrm_dcn"
-    final_plan: dict[str, Any]       # JobPlan.to_dict() of the plan the job ended with
+    final_plan: dict[str, Any]       # PodPlan.to_dict() of the plan the job ended with
     samples_per_s: float | None = None
     model: ThroughputModel | None = None
     memory: MemoryModel | None = None

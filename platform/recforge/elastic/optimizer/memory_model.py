@@ -12,8 +12,8 @@ when it will cross its limit, which is what stage 3 acts on before the OOM happe
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 from scipy.optimize import nnls
@@ -64,7 +64,7 @@ class MemoryModel:
         return self.predict(embedding_bytes, total_steps) * margin
 
     @classmethod
-    def fit(cls, samples: Sequence[MemorySample]) -> "MemoryModel":
+    def fit(cls, samples: Sequence[MemorySample]) -> MemoryModel:
         samples = list(samples)
         if len(samples) < 3:
             raise ModelFitError(f"MemoryModel.fit: {len(samples)} points; need at least 3 (base, embeddings, growth)")
@@ -85,7 +85,7 @@ class MemoryModel:
                 "fit_mape": self.fit_mape, "n_points": self.n_points}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "MemoryModel":
+    def from_dict(cls, d: Mapping) -> MemoryModel:
         try:
             return cls(float(d["base_bytes"]), float(d["emb_factor"]), float(d["growth_per_step"]),
                        float(d.get("fit_mape", float("nan"))), int(d.get("n_points", 0)))

@@ -19,9 +19,12 @@ distinct configurations than `min_points` it keeps the prior and says so (`statu
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 from scipy.optimize import nnls
@@ -54,7 +57,7 @@ class Allocation:
         if self.servers < 0 or (self.servers > 0 and self.cpu_per_server <= 0):
             raise ValueError(f"Allocation: servers={self.servers} needs cpu_per_server > 0, got {self.cpu_per_server}")
 
-    def replace(self, **kw) -> "Allocation":
+    def replace(self, **kw) -> Allocation:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
         d.update(kw)
         return Allocation(**d)
@@ -63,7 +66,7 @@ class Allocation:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "Allocation":
+    def from_dict(cls, d: Mapping) -> Allocation:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
@@ -110,7 +113,7 @@ TERMS: dict[str, tuple[Callable[[dict[str, np.ndarray]], np.ndarray], str]] = {
     "ps_count": (lambda v: v["p"], "fan-out to p servers"),
 }
 
-# The DLRover-RM digest's form for parameter-server jobs: [1, B/λw, (w/p)·B/λp, w/p, p, w].
+# The parameter-server form of docs/dlrover_rm.md: [1, B/λw, (w/p)·B/λp, w/p, p, w].
 PS_TERMS = ("const", "b_per_cpu", "ps_load", "ps_fanin", "ps_count", "w")
 # Candidates for our all-reduce/all-to-all TorchRec trainer on one shared host.
 LOCAL_CANDIDATES = ("const", "b_per_cpu", "b", "b_per_cpu_oversub", "b_oversub", "b_threads", "bw_threads", "w", "bw",
@@ -174,7 +177,7 @@ class ThroughputModel:
                 "n_points": self.n_points, "meta": self.meta}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "ThroughputModel":
+    def from_dict(cls, d: Mapping) -> ThroughputModel:
         try:
             return cls(terms=tuple(d["terms"]), coef=tuple(d["coef"]), fit_mape=float(d.get("fit_mape", float("nan"))),
                        n_points=int(d.get("n_points", 0)), meta=dict(d.get("meta") or {}))
@@ -345,16 +348,12 @@ class OnlineThroughputModel:
 # ---------------------------------------------------------------------------------------------
 # profiles measured on our own trainer (bench/profile_trainer.py -> elastic/optimizer/profiles/*.json)
 # ---------------------------------------------------------------------------------------------
-PROFILE_DIR = __import__("pathlib").Path(__file__).with_name("profiles")
+PROFILE_DIR = Path(__file__).with_name("profiles")
 DEFAULT_PROFILE = PROFILE_DIR / "dlrm_criteo_2core.json"
 
 
 def load_profile(path=DEFAULT_PROFILE) -> tuple[list[Sample], dict]:
     """Median throughput over repetitions per configuration (failed points dropped), and the conditions."""
-    import json
-    import statistics
-    from pathlib import Path
-
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"profile not found: {path}")

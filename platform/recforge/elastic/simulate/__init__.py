@@ -1,30 +1,34 @@
-"""Cluster simulator for resource policies (`recforge simulate`).
-
-An event-driven simulation of a Kubernetes-like cluster (nodes with CPU and memory) running a trace
-of DLRM parameter-server jobs (`trace.py`: arrivals, sizes, users' misconfigurations, faults) whose
-true throughput comes from a hidden ground truth (`truth.py`). Policies (`policies.py`): the user's
-static request, an Optimus-style model-based policy, and DLRover-RM built from recforge.elastic's
-real optimizer. `run_comparison` runs them on one trace and returns their results (report.py turns
-them into a table, JSON and plots).
-"""
+"""Cluster simulator for resource policies (`recforge simulate`): static vs Optimus-style vs DLRover-RM on one trace."""
+# The trace (trace.py: arrivals, sizes, misconfigurations, faults) runs on a Kubernetes-like cluster
+# (cluster.py) at a hidden true throughput (truth.py) under each policy (policies.py; DLRover-RM is
+# recforge.elastic.optimizer's real code); report.py turns the results into a table, JSON and plots.
 from __future__ import annotations
 
-from typing import Any, Sequence
+import importlib
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from recforge.elastic.simulate.cluster import ClusterSpec
+
+if TYPE_CHECKING:
+    from recforge.elastic.simulate.engine import SimParams, simulate
+    from recforge.elastic.simulate.policies import make_policy
+    from recforge.elastic.simulate.trace import TraceParams, generate_trace
 
 DEFAULT_POLICIES = ("static", "optimus", "dlrover")
 
-# Lazy: `recforge --help` imports the CLI module of this package; numpy / scipy load only when used.
+# Names resolve on first use: `recforge --help` imports this package's CLI; numpy / scipy load only when used.
 _EXPORTS = {
-    "ClusterSpec": "recforge.elastic.simulate.cluster", "SimParams": "recforge.elastic.simulate.engine",
+    "SimParams": "recforge.elastic.simulate.engine",
     "simulate": "recforge.elastic.simulate.engine", "make_policy": "recforge.elastic.simulate.policies",
     "TraceParams": "recforge.elastic.simulate.trace", "generate_trace": "recforge.elastic.simulate.trace",
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        import importlib
-
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -32,12 +36,8 @@ def __getattr__(name: str):
 def run_comparison(trace_params=None, *, cluster=None, params=None, policies: Sequence[str] = DEFAULT_POLICIES,
                    seed: int = 0) -> list[dict[str, Any]]:
     """Run `policies` on one generated trace (same faults for all); their results, in order."""
-    from dataclasses import replace
-
-    from recforge.elastic.simulate.cluster import ClusterSpec
-    from recforge.elastic.simulate.engine import SimParams, simulate
-    from recforge.elastic.simulate.policies import make_policy
-    from recforge.elastic.simulate.trace import TraceParams, generate_trace
+    from recforge.elastic.simulate.engine import SimParams  # lazy: numpy / scipy off the `recforge --help` path
+    from recforge.elastic.simulate.trace import TraceParams, generate_trace  # lazy: as above
 
     trace_params = trace_params or TraceParams()
     trace = generate_trace(trace_params, seed=seed)
@@ -48,10 +48,8 @@ def run_comparison(trace_params=None, *, cluster=None, params=None, policies: Se
 def simulate_policies(trace, policies: Sequence[str], cluster, params, seed: int = 0
                       ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Each policy on the same trace: (results in order, wall seconds per policy)."""
-    import time
-
-    from recforge.elastic.simulate.engine import simulate
-    from recforge.elastic.simulate.policies import make_policy
+    from recforge.elastic.simulate.engine import simulate  # lazy: numpy / scipy off the `recforge --help` path
+    from recforge.elastic.simulate.policies import make_policy  # lazy: as above
 
     results, walls = [], {}
     for name in policies:
@@ -61,5 +59,5 @@ def simulate_policies(trace, policies: Sequence[str], cluster, params, seed: int
     return results, walls
 
 
-__all__ = ["ClusterSpec", "SimParams", "TraceParams", "generate_trace", "make_policy", "run_comparison", "simulate",
-           "simulate_policies"]
+__all__ = ["DEFAULT_POLICIES", "ClusterSpec", "SimParams", "TraceParams", "generate_trace", "make_policy",
+           "run_comparison", "simulate", "simulate_policies"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
+from rich.console import Console
 
 app = typer.Typer(help="cluster simulator: static vs Optimus-style vs DLRover-RM resource policies",
                   invoke_without_command=True)
@@ -18,19 +18,23 @@ def simulate_cmd(
     nodes: int = typer.Option(100, help="cluster nodes"),
     cpu_per_node: float = typer.Option(32.0, help="cores per node"),
     memory_per_node_gib: float = typer.Option(128.0, help="memory per node (GiB)"),
-    arrival_window_h: Optional[float] = typer.Option(None, help="arrivals spread over this many hours (default: 72 h per 1,000 jobs)"),
+    arrival_window_h: float | None = typer.Option(None, help="arrivals spread over this many hours (default: 72 h per 1,000 jobs)"),
     policies: str = typer.Option("static,optimus,dlrover", help="comma-separated: static, optimus, dlrover, "
                                  "dlrover-nowarm, dlrover-nostage3, dlrover-nofailover"),
     seed: int = typer.Option(0, help="trace and fault seed (the run is deterministic under it)"),
-    out: Optional[Path] = typer.Option(None, help="directory for simulation.json and the plots"),
-    params_json: Optional[Path] = typer.Option(None, "--trace-params", help="JSON file overriding TraceParams fields"),
+    out: Path | None = typer.Option(None, help="directory for simulation.json and the plots"),
+    params_json: Path | None = typer.Option(None, "--trace-params", help="JSON file overriding TraceParams fields"),
 ):
     """Simulate a trace of DLRM jobs on a cluster under each policy; print a table, write JSON and plots."""
-    from rich.console import Console
-
-    from recforge.elastic.simulate import (ClusterSpec, SimParams, TraceParams, generate_trace, make_policy,
-                                          simulate_policies)
-    from recforge.elastic.simulate import report
+    from recforge.elastic.simulate import (  # lazy: numpy / scipy off the `recforge --help` path
+        ClusterSpec,
+        SimParams,
+        TraceParams,
+        generate_trace,
+        make_policy,
+        report,  # lazy: numpy off the `recforge --help` path
+        simulate_policies,
+    )
 
     console = Console()
     overrides = json.loads(params_json.read_text()) if params_json else {}

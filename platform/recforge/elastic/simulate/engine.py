@@ -16,8 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from recforge.elastic.optimizer.events import Event
-from recforge.elastic.optimizer.dlrover import JobDescription, JobLimits, JobPlan, Observation
+from recforge.elastic.optimizer import Event, JobDescription, JobLimits, Observation, PodPlan
 from recforge.elastic.simulate import truth
 from recforge.elastic.simulate.cluster import Cluster, ClusterSpec
 from recforge.elastic.simulate.policies import SimPolicy
@@ -47,7 +46,7 @@ class SimParams:
 @dataclass
 class JobRun:
     job: TraceJob
-    plan: JobPlan
+    plan: PodPlan
     status: str = "waiting"
     pods: list = field(default_factory=list)
     where: list | None = None
@@ -132,11 +131,11 @@ class Simulation:
             a["used_mem_s"] += r.used_mem * dt
         r.t_last = t
 
-    def _pods(self, plan: JobPlan) -> list[tuple[float, float]]:
+    def _pods(self, plan: PodPlan) -> list[tuple[float, float]]:
         return ([(plan.cpu_per_worker, plan.memory_per_worker)] * plan.workers
                 + [(plan.cpu_per_server, plan.memory_per_server)] * plan.servers)
 
-    def _truth(self, r: JobRun, plan: JobPlan | None = None) -> tuple[float, float, float, float]:
+    def _truth(self, r: JobRun, plan: PodPlan | None = None) -> tuple[float, float, float, float]:
         p, j = plan or r.plan, r.job
         slow = j.straggler[1] if r.straggling else None
         rate = truth.throughput(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker, p.servers, p.cpu_per_server,
@@ -229,7 +228,7 @@ class Simulation:
 
     def _arrive(self, jid: int, t: float) -> None:
         j = self._by_id[jid]
-        req = JobPlan(**j.request)
+        req = PodPlan(**j.request)
         spec = self.cluster.spec
         limits = JobLimits(cpu=max(req.cpu_total * self.params.limit_factor, spec.cpu_per_node),
                            memory=max(req.memory_total * self.params.limit_factor, spec.memory_per_node),
@@ -258,7 +257,7 @@ class Simulation:
         self._record(r, events)
         change = next((e for e in events if e.changes_plan), None)
         if change is not None:
-            r.plan = JobPlan.from_dict(change.plan_after)
+            r.plan = PodPlan.from_dict(change.plan_after)
             r.plan_changes += 1
             if self._try_start(r, t):
                 self.pending.remove(jid)
@@ -292,12 +291,12 @@ class Simulation:
                 r.straggling, r.straggler_fixed = False, True
             if not e.changes_plan:
                 continue
-            new = JobPlan.from_dict(e.plan_after)
+            new = PodPlan.from_dict(e.plan_after)
             if self._resize(r, new, t):
                 r.plan_changes += 1
             break  # one plan change per report
 
-    def _resize(self, r: JobRun, new: JobPlan, t: float) -> bool:
+    def _resize(self, r: JobRun, new: PodPlan, t: float) -> bool:
         old_pods, old_where = r.pods, r.where
         self._release(r)
         pods = self._pods(new)
@@ -346,7 +345,7 @@ class Simulation:
         r.resume_at = t + self.params.restart_s
         change = next((e for e in events if e.changes_plan), None)
         if change is not None:
-            self._resize(r, JobPlan.from_dict(change.plan_after), t)
+            self._resize(r, PodPlan.from_dict(change.plan_after), t)
             r.resume_at = max(r.resume_at, t + self.params.restart_s)
         self._set_rate(r, t)
 

@@ -6,18 +6,27 @@
 - `dlrover`: DLRover-RM: stage 1 from the history of the job's scenario (filled as jobs finish), stage 2
   as above but from the warm-start model, stage 3 (stragglers, hot servers, memory, pending), and
   elastic failover (an evicted pod is relaunched alone, without restarting the job).
-All use the real `recforge.elastic.optimizer.dlrover` code.
+All use the real `recforge.elastic.optimizer` code.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from recforge.elastic.optimizer.events import Event
-from recforge.elastic.optimizer.history import InMemoryHistory, JobRecord
-from recforge.elastic.optimizer.dlrover import (
-    InstabilityStage, JobDescription, JobLimits, JobPlan, Observation, OptimizerConfig, RuntimeStage, warm_start,
+from recforge.elastic.optimizer import (
+    PS_TERMS,
+    Event,
+    InMemoryHistory,
+    InstabilityStage,
+    JobDescription,
+    JobLimits,
+    JobRecord,
+    Observation,
+    OptimizerConfig,
+    PodPlan,
+    RuntimeStage,
+    ThroughputModel,
+    warm_start,
 )
-from recforge.elastic.optimizer.throughput_model import PS_TERMS, ThroughputModel
 
 GiB = float(1 << 30)
 
@@ -30,7 +39,7 @@ class SimPolicy:
     name = "base"
     elastic_failover = False
 
-    def initial_plan(self, job, desc: JobDescription, limits: JobLimits) -> tuple[JobPlan, list[Event]]:
+    def initial_plan(self, job, desc: JobDescription, limits: JobLimits) -> tuple[PodPlan, list[Event]]:
         return desc.requested, []
 
     def on_tick(self, job, obs: Observation) -> list[Event]:
@@ -42,7 +51,7 @@ class SimPolicy:
     def on_pending(self, job, obs: Observation) -> list[Event]:
         return []
 
-    def on_finish(self, job, plan: JobPlan, state) -> None:
+    def on_finish(self, job, plan: PodPlan, state) -> None:
         pass
 
 

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
+from rich.table import Table
 
 PAPER = {"jct_median_change": -0.31, "completion_points": 6.0, "cpu_points": 15.0, "memory_points": 20.0}
 
@@ -51,8 +53,6 @@ def summary(results: Sequence[dict[str, Any]], meta: dict[str, Any] | None = Non
 
 
 def table(results: Sequence[dict[str, Any]], title: str = "cluster simulation"):
-    from rich.table import Table
-
     t = Table(title=title)
     for col in ("policy", "completed", "JCT mean h", "JCT median h", "JCT p95 h", "queue median h", "CPU util",
                 "mem util", "cluster CPU alloc", "plan changes"):
@@ -66,8 +66,6 @@ def table(results: Sequence[dict[str, Any]], title: str = "cluster simulation"):
 
 
 def versus_table(results: Sequence[dict[str, Any]]):
-    from rich.table import Table
-
     t = Table(title="against static (paper: median JCT -31%, completion +6 pts, CPU +15 pts, memory +20 pts)")
     for col in ("policy", "median JCT", "median JCT (jobs all completed)", "completion", "CPU util", "mem util"):
         t.add_column(col, justify="right")
@@ -87,10 +85,10 @@ def write(results: Sequence[dict[str, Any]], out_dir: str | Path, meta: dict[str
 
 
 def plot(results: Sequence[dict[str, Any]], out_dir: Path) -> dict[str, Path]:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only where plots are written
 
     matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after the backend is chosen
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:

@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from recforge.elastic.simulate.truth import server_memory_need, throughput
+
 GiB = float(1 << 30)
 
 # family -> multipliers on the base ground-truth coefficients (compute, server load) and embedding GiB range
@@ -84,7 +86,7 @@ class TraceJob:
     emb_bytes: float      # embedding bytes at start, all servers together
     emb_growth_per_sample: float
     misconfig: str
-    request: dict         # JobPlan fields the user asked for
+    request: dict         # PodPlan fields the user asked for
     expert: dict          # the scenario's expert plan (for reference only; no policy sees it)
     straggler: tuple[float, float] | None  # (fraction of the job done when it starts, slowdown)
     hot_server: float     # load factor of the hottest server (1 = balanced)
@@ -143,8 +145,6 @@ def _request(kind: str, expert: dict, need_worker: float, need_server_start: flo
 
 
 def generate_trace(params: TraceParams = TraceParams(), seed: int = 0) -> list[TraceJob]:
-    from recforge.elastic.simulate.truth import server_memory_need, throughput
-
     rng = np.random.default_rng(seed)
     scen = _scenarios(params, rng)
     ranks = np.arange(1, params.n_scenarios + 1, dtype=float)

@@ -20,9 +20,10 @@ from torch import Tensor
 from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.columns import sources
-from recforge.preprocess.semantics.ops import logit_bounds
 from recforge.preprocess.planning.plan import FeaturePlan, Plan
+from recforge.preprocess.semantics.ops import logit_bounds
 from recforge.preprocess.semantics.registry import OPS, Value
+from recforge_kernels.fused import eager_impl, fused_chain
 
 # step codes: the ChainCode enum of csrc/fused_cpu.cpp
 FILL_FLOAT, FILL_ID, LOGIT, BOXCOX, CLAMP_FLOAT, CLAMP_ID, SIGRID_HASH, BUCKETIZE, MAPID, CAST_FLOAT, CAST_ID, \
@@ -59,8 +60,6 @@ class ChainProgram:
 
     def run(self, raw: RawBatch) -> tuple[Tensor, Tensor]:
         """(dense float32 [B, num_dense], ids int64 [num_sparse * B], key-major)."""
-        from recforge_kernels.fused import eager_impl, fused_chain
-
         return tuple(eager_impl(fused_chain)(
             raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid, self.src_kind, self.src_col, self.out_kind,
             self.out_slot, self.step_offsets, self.codes, self.f0, self.f1, self.i0, self.i1, self.borders,

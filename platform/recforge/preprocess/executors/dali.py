@@ -22,11 +22,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.columns import Col, check_batch, finish, sources
-from recforge.preprocess.planning.compiler import FusedGroup
 from recforge.preprocess.executors.fused import FusedExecutor
+from recforge.preprocess.planning.compiler import FusedGroup
 from recforge.preprocess.planning.graph import Node
-from recforge.preprocess.semantics.ops import logit_bounds
 from recforge.preprocess.planning.plan import Plan
+from recforge.preprocess.semantics.ops import logit_bounds
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ WHY_NOT = {
 
 def dali_available() -> bool:
     try:
-        import nvidia.dali  # noqa: F401
+        import nvidia.dali  # noqa: F401  # lazy: optional and heavy; this probe only asks whether it imports
     except ImportError:
         return False
     return True
@@ -133,7 +133,8 @@ class DaliExecutor:
         self.in_dali = in_dali
         needed = set(graph.outputs.values()) | {n.parent for n in graph.nodes if n.parent is not None}
         self._outputs = [n.id for n in graph.nodes if in_dali[n.id] and n.id in needed
-                         and (n.id in graph.outputs.values() or any(not in_dali[c] for c in graph.children.get(n.id, [])))]
+                         and (n.id in graph.outputs.values()
+                              or any(not in_dali[c] for c in graph.children.get(n.id, [])))]
         self._rest = [FusedGroup(g.layer, g.op, g.cls, tuple(i for i in g.nodes if not in_dali[i]))
                       for g in self.compiled.groups]
         self._rest = [(gi, g) for gi, g in enumerate(self._rest) if g.nodes]
@@ -163,8 +164,8 @@ class DaliExecutor:
     # ------------------------------------------------------------------ pipeline
 
     def _build(self):
-        from nvidia.dali import fn, pipeline_def, types
-        import nvidia.dali.math as dmath
+        import nvidia.dali.math as dmath  # lazy: DALI is optional and heavy; only a DALI pipeline build needs it
+        from nvidia.dali import fn, pipeline_def, types  # lazy: as above
 
         graph = self.compiled.graph
         gpu = self.device == "gpu"
@@ -270,7 +271,7 @@ class DaliExecutor:
             self.pipe.feed_input("u64", [np.array(list(U64.values()), dtype=np.uint64)])
             self.pipe.feed_input("hash_params", [self._hash_params])
             outs = self.pipe.run()
-            for node, o in zip(self._outputs, outs):
+            for node, o in zip(self._outputs, outs, strict=True):
                 if self.device == "gpu":
                     o = o.as_cpu()
                 vals[node] = Col(torch.from_numpy(np.array(o.as_tensor())).reshape(raw.rows, 1))

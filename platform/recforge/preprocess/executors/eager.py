@@ -8,10 +8,10 @@ from torch import Tensor
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recforge.config import DatasetConfig
-from recforge.preprocess.semantics import ops
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.columns import BatchError, Col, check_batch, finish, sources
 from recforge.preprocess.planning.plan import FeaturePlan, Plan
+from recforge.preprocess.semantics import ops
 
 _ELEMENTWISE = {
     "cast": lambda x, p: ops.cast(x, p["to"]),

@@ -16,23 +16,25 @@ the values are the grouped kernels'. Otherwise (list columns in the batch, wider
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import recforge_kernels  # noqa: F401  (registers recforge::fused_*)
-from recforge_kernels import fused as fused_ops
-from recforge_kernels.fused import eager_impl
 from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.columns import BatchError, Col, check_batch, finish, sources
-from recforge.preprocess.planning.compiler import CompiledPlan, FusedGroup, compile_plan
 from recforge.preprocess.executors.chain import ChainProgram, NotChainable, chain_program
+from recforge.preprocess.planning.compiler import CompiledPlan, FusedGroup, compile_plan
 from recforge.preprocess.planning.graph import Node
-from recforge.preprocess.semantics.ops import logit_bounds
 from recforge.preprocess.planning.plan import Plan
+from recforge.preprocess.semantics.ops import logit_bounds
+from recforge_kernels import fused as fused_ops
+from recforge_kernels.fused import eager_impl
+
 
 class _Kernels:
     """recforge::fused_* by name, called through their Python bodies (recforge_kernels.fused.eager_impl): the same
@@ -147,7 +149,7 @@ class FusedExecutor:
         if group.op in ("firstx", "ngram"):
             self._rows_op(group.op, nodes, cols, vals)
         elif group.op == "onehot":
-            for n, c in zip(nodes, cols):
+            for n, c in zip(nodes, cols, strict=True):
                 if c.jagged or c.values.shape[1] != 1:
                     feats = ", ".join(repr(f) for f in self.compiled.graph.features_of(n.id))
                     raise BatchError(f"feature {feats}, op 'onehot': takes one value per row, got a list column "
@@ -156,7 +158,7 @@ class FusedExecutor:
                     for n in nodes]
             outs = self._call(F.fused_onehot, [c.values for c in cols], [float(n.params["lo"]) for n in nodes],
                               [float(n.params["hi"]) for n in nodes], [n.params["C"] for n in nodes], keep)
-            for n, o in zip(nodes, outs):
+            for n, o in zip(nodes, outs, strict=True):
                 vals[n.id] = Col(o)
         else:
             key = (gi, str(cols[0].values.device))
@@ -164,7 +166,7 @@ class FusedExecutor:
                 self._plans[key] = self._elementwise(gi, group.op, nodes, cols)
             for part, fn in self._plans[key]:
                 outs = fn([cols[i].values for i in part])
-                for i, o in zip(part, outs):
+                for i, o in zip(part, outs, strict=True):
                     vals[nodes[i].id] = Col(o, cols[i].lengths)
 
     def _call(self, op: Callable, *args):
@@ -182,13 +184,13 @@ class FusedExecutor:
                 outs = self._call(F.fused_fill_null_columns, matrix, valid,
                                   [self._sources[n.source].index for n in parts[kind]],
                                   [float(n.params["value"]) for n in parts[kind]], kind == "dense")
-                for n, o in zip(parts[kind], outs):
+                for n, o in zip(parts[kind], outs, strict=True):
                     vals[n.id] = Col(o.unsqueeze(1))
         if parts["list"]:
             jcs = [raw.jagged[n.source] for n in parts["list"]]
             outs = self._call(F.fused_fill_null, [j.values for j in jcs], [j.valid for j in jcs],
                               [float(n.params["value"]) for n in parts["list"]], False)
-            for n, o, j in zip(parts["list"], outs, jcs):
+            for n, o, j in zip(parts["list"], outs, jcs, strict=True):
                 vals[n.id] = Col(o, j.lengths)
 
     def _rows_op(self, op: str, nodes: list[Node], cols: list[Col], vals: dict[int, Col]) -> None:
@@ -212,7 +214,7 @@ class FusedExecutor:
         if fixed:
             fn = F.fused_firstx if op == "firstx" else F.fused_ngram
             outs = self._call(fn, [cols[i].values for i in fixed], [nodes[i].params[key] for i in fixed])
-            for i, o in zip(fixed, outs):
+            for i, o in zip(fixed, outs, strict=True):
                 vals[nodes[i].id] = Col(o)
         if lists:
             fn = F.fused_firstx_jagged if op == "firstx" else F.fused_ngram_jagged

@@ -81,7 +81,8 @@ def groups_of(graph: OpGraph, layer_of: dict[int, int]) -> list[FusedGroup]:
     by_key: dict[tuple[int, str, str], list[int]] = defaultdict(list)
     for n in graph.nodes:
         by_key[(layer_of[n.id], n.cls, n.op)].append(n.id)
-    return [FusedGroup(layer=l, op=op, cls=cls, nodes=tuple(ids)) for (l, cls, op), ids in sorted(by_key.items())]
+    return [FusedGroup(layer=layer, op=op, cls=cls, nodes=tuple(ids))
+            for (layer, cls, op), ids in sorted(by_key.items())]
 
 
 def layers_greedy(graph: OpGraph) -> dict[int, int]:
@@ -105,7 +106,7 @@ def compile_plan(
     if method == "greedy":
         layer_of = layers_greedy(graph)
     elif method == "milp":
-        from recforge.preprocess.planning.milp import layers_milp
+        from recforge.preprocess.planning.milp import layers_milp  # lazy: scipy; the plan stage's path stays light
 
         result = layers_milp(graph, num_layers_for(graph, layers), time_limit_s=time_limit_s)
         layer_of, status, info = result.layer_of, result.status, result.info

@@ -49,7 +49,7 @@ def _match(graph: OpGraph, keys: dict[int, tuple], rep: int, copy: int, into: di
     into[copy] = rep
     a = sorted(graph.children.get(rep, []), key=lambda c: keys[c])
     b = sorted(graph.children.get(copy, []), key=lambda c: keys[c])
-    for r, c in zip(a, b):
+    for r, c in zip(a, b, strict=True):
         _match(graph, keys, r, c, into)
 
 
@@ -87,8 +87,8 @@ def layers_milp(graph: OpGraph, num_layers: int, time_limit_s: float = 30.0) -> 
 
     col: dict[tuple[int, int], int] = {}
     for v in rep_nodes:
-        for l in feasible[v]:
-            col[(v, l)] = len(col)
+        for layer in feasible[v]:
+            col[(v, layer)] = len(col)
     n_x = len(col)
     ancestors: dict[int, set[int]] = {}
     for v in rep_nodes:  # nodes are in topological order within each subtree
@@ -103,17 +103,17 @@ def layers_milp(graph: OpGraph, num_layers: int, time_limit_s: float = 30.0) -> 
             for v in members[i + 1:]:
                 if u in ancestors[v] or v in ancestors[u]:
                     continue
-                for l in feasible[u]:
-                    if l in feasible[v]:
-                        pairs.append((u, v, l))
+                for layer in feasible[u]:
+                    if layer in feasible[v]:
+                        pairs.append((u, v, layer))
     n_var = n_x + len(pairs)
 
     total_weight = sum(weight[v] for v in rep_nodes)
     eps = 1.0 / (total_weight * L + 1)
     gain = np.zeros(n_var)
-    for (v, l), j in col.items():
-        gain[j] = weight[v] ** 2 - eps * weight[v] * l
-    for k, (u, v, l) in enumerate(pairs):
+    for (v, layer), j in col.items():
+        gain[j] = weight[v] ** 2 - eps * weight[v] * layer
+    for k, (u, v, _) in enumerate(pairs):
         gain[n_x + k] = 2 * weight[u] * weight[v]
 
     rows, cols, vals, lo, hi = [], [], [], [], []
@@ -128,15 +128,15 @@ def layers_milp(graph: OpGraph, num_layers: int, time_limit_s: float = 30.0) -> 
         hi.append(ub)
 
     for v in rep_nodes:  # one layer per node
-        add_row([(col[(v, l)], 1.0) for l in feasible[v]], 1, 1)
+        add_row([(col[(v, layer)], 1.0) for layer in feasible[v]], 1, 1)
     for v in rep_nodes:  # after the parent
         p = node[v].parent
         if p is not None:
-            add_row([(col[(v, l)], float(l)) for l in feasible[v]] + [(col[(p, l)], -float(l)) for l in feasible[p]],
-                    1, np.inf)
-    for k, (u, v, l) in enumerate(pairs):  # y <= x_u, y <= x_v
-        add_row([(n_x + k, 1.0), (col[(u, l)], -1.0)], -np.inf, 0)
-        add_row([(n_x + k, 1.0), (col[(v, l)], -1.0)], -np.inf, 0)
+            add_row([(col[(v, layer)], float(layer)) for layer in feasible[v]]
+                    + [(col[(p, layer)], -float(layer)) for layer in feasible[p]], 1, np.inf)
+    for k, (u, v, layer) in enumerate(pairs):  # y <= x_u, y <= x_v
+        add_row([(n_x + k, 1.0), (col[(u, layer)], -1.0)], -np.inf, 0)
+        add_row([(n_x + k, 1.0), (col[(v, layer)], -1.0)], -np.inf, 0)
 
     a = coo_matrix((vals, (rows, cols)), shape=(len(lo), n_var)).tocsr()
     integrality = np.concatenate([np.ones(n_x), np.zeros(len(pairs))])
@@ -148,7 +148,7 @@ def layers_milp(graph: OpGraph, num_layers: int, time_limit_s: float = 30.0) -> 
         raise RuntimeError(f"layers_milp: HiGHS found no assignment ({res.message})")
     rep_layer = {}
     for v in rep_nodes:
-        rep_layer[v] = max(feasible[v], key=lambda l: res.x[col[(v, l)]])
+        rep_layer[v] = max(feasible[v], key=lambda layer: res.x[col[(v, layer)]])
     layer_of = {n.id: rep_layer[rep_of[n.id]] for n in graph.nodes}
     status = "optimal" if res.status == 0 else f"status {res.status}: {res.message}"
     info = {"templates": len(templates), "variables": n_var, "binaries": n_x, "constraints": len(lo),

@@ -42,7 +42,7 @@ class FeaturePlan(_Strict):
     )
 
     @model_validator(mode="after")
-    def _check_ops(self) -> "FeaturePlan":
+    def _check_ops(self) -> FeaturePlan:
         for i, spec in enumerate(self.ops):
             try:
                 parsed = parse_params(spec.op, spec.params)
@@ -50,7 +50,7 @@ class FeaturePlan(_Strict):
                 raise ValueError(f"feature {self.name!r}, op #{i} {spec.op!r}: {e}") from None
             spec.params = parsed.model_dump(by_alias=True)  # canonical: defaults filled in
         if self.kind == "sparse":
-            self.num_embeddings  # raises when the ids have no bound
+            _ = self.num_embeddings  # raises when the ids have no bound
         elif self.table_rows is not None:
             raise ValueError(f"feature {self.name!r}: table_rows is for sparse features only")
         return self
@@ -127,7 +127,7 @@ class Plan(_Strict):
     features: list[FeaturePlan] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _unique(self) -> "Plan":
+    def _unique(self) -> Plan:
         names = [f.name for f in self.features]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -159,7 +159,7 @@ class Plan(_Strict):
         """The dataset columns the plan reads, in first-use order."""
         return list(dict.fromkeys(f.source for f in self.features))
 
-    def with_table_cap(self, table_cap: int) -> "Plan":
+    def with_table_cap(self, table_cap: int) -> Plan:
         """A copy whose sigrid_hash moduli and table_rows are at most `table_cap` (PipelineConfig.table_cap)."""
         if table_cap < 1:
             raise ValueError(f"with_table_cap: table_cap must be >= 1, got {table_cap}")
@@ -175,7 +175,7 @@ class Plan(_Strict):
         return capped if capped != self else self
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
+    def load(cls, path: str | Path) -> Plan:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"plan file not found: {path}")

@@ -5,16 +5,17 @@ table_cap)` builds recforge.preprocess.planning.plan.criteo_plan (the pipeline's
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from recforge.config import DatasetConfig, criteo_kaggle_dataset
-from recforge.preprocess.planning.plan import Plan, criteo_plan
 from recforge.config import (
+    DatasetConfig,
+    criteo_kaggle_dataset,
     criteo_terabyte_dataset,
     rap_plan2_dataset,
     rap_plan3_dataset,
 )
+from recforge.preprocess.planning.plan import Plan, criteo_plan
 
 PRESET_DIR = Path(__file__).parent
 PRESET_PLANS = ("plan0", "plan1", "plan2", "plan3")

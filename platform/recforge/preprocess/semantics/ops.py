@@ -7,12 +7,13 @@ against; registry.py documents each op's semantics.
 """
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-import recforge_kernels  # registers torch.ops.recforge.*
+import recforge_kernels  # noqa: F401  (registers torch.ops.recforge.*)
 from recforge_kernels.sigrid_hash import sigrid_hash_raw
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

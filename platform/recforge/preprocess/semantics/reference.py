@@ -8,7 +8,8 @@ chain on rows; `apply_plan_ref` keeps the [B, F] interface for plans with one va
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -148,12 +149,13 @@ def apply_rows_op_ref(op: str, params: dict[str, Any], rows: Rows) -> Rows:
     raise ValueError(f"apply_rows_op_ref: unknown op {op!r}")
 
 
-def apply_feature_rows_ref(feature: FeaturePlan, rows: Rows, valid_rows: Sequence[np.ndarray], source_kind: str) -> Rows:
+def apply_feature_rows_ref(feature: FeaturePlan, rows: Rows, valid_rows: Sequence[np.ndarray],
+                           source_kind: str) -> Rows:
     """A whole chain on per-row arrays (a scalar column: every row one value). fill_null must come first."""
     first = feature.ops[0]
     if first.op != "fill_null":
         raise ValueError(f"feature {feature.name!r}: the chain must start with fill_null")
-    rows = [fill_null_ref(r, v, first.params["value"], source_kind) for r, v in zip(rows, valid_rows)]
+    rows = [fill_null_ref(r, v, first.params["value"], source_kind) for r, v in zip(rows, valid_rows, strict=True)]
     for spec in feature.ops[1:]:
         rows = apply_rows_op_ref(spec.op, spec.params, rows)
     return rows

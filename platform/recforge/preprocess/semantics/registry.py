@@ -13,8 +13,10 @@ Each op also maps the range of ids it outputs, so a sparse feature's embedding t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from itertools import pairwise
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -81,7 +83,7 @@ class BucketizeParams(_Params):
     def _increasing(cls, v: list[float]) -> list[float]:
         if not all(math.isfinite(b) for b in v):
             raise ValueError("borders must be finite")
-        if any(a >= b for a, b in zip(v, v[1:])):
+        if any(a >= b for a, b in pairwise(v)):
             raise ValueError(f"borders must be strictly increasing, got {v}")
         return v
 
@@ -91,7 +93,7 @@ class ClampParams(_Params):
     hi: int | float
 
     @model_validator(mode="after")
-    def _ordered(self) -> "ClampParams":
+    def _ordered(self) -> ClampParams:
         if not (math.isfinite(self.lo) and math.isfinite(self.hi)) or self.lo > self.hi:
             raise ValueError(f"need finite lo <= hi, got lo={self.lo} hi={self.hi}")
         return self
@@ -112,7 +114,7 @@ class OneHotParams(_Params):
     C: int = Field(ge=1, le=1 << 16, description="number of classes: the output width")
 
     @model_validator(mode="after")
-    def _ordered(self) -> "OneHotParams":
+    def _ordered(self) -> OneHotParams:
         if not (math.isfinite(self.lo) and math.isfinite(self.hi)) or not self.lo < self.hi:
             raise ValueError(f"need finite lo < hi, got lo={self.lo} hi={self.hi}")
         return self

@@ -5,41 +5,25 @@ TorchRec's planner, and the placements as JSON.
     result.placements                       # {table: Placement}: give them to shard_model(placements=...)
     result.info["before"], ["after"]        # per-rank step times and imbalance of the planner's / the MILP's placement
 
-Where the MILP's numbers come from (mapping.TableLoad / MappingCosts):
-  preprocessing  every fused group of the plan timed by `timer` at the worker's batch rows B. A sparse group of n
-                 units (nodes; a node shared by several features is one unit) is timed whole and unit by unit; a
-                 linear fit t = launch + marginal gives the group's launch cost (kept in dense_prep_ms: every rank
-                 launches its groups) and each unit's marginal time, split evenly among the unit's features. Dense
-                 groups are all in dense_prep_ms. prep_ms_local = a feature's marginal time at B rows,
-                 prep_ms_global = that x world_size (RAP scales kernel time linearly in rows).
-  stages         base_ms = the profile's stage times summed, less its embedding stages (emb_fwd + emb_bwd), which the
-                 per-table lookup term puts back per rank: an even placement predicts the profiled step.
-  lookup         lookup_ms_per_value = (emb_fwd + emb_bwd) / the values the profiled step looked up,
-                 B x sum over tables of (ids per sample x dim): in a single-process profile one rank looks up every
-                 table for B rows; with world ranks each looks up world x B rows of 1/world of the tables, the
-                 same per rank on average. Both stages also hold a little dense work (the bottom MLP), so this
-                 overstates the lookup a little.
-  all-reduce     allreduce_ms_per_value = the profile's allreduce stage / the model's dense (non-embedding)
-                 parameters: a data_parallel table's gradient is all-reduced and stepped like them. A single-process
-                 profile has no communication in that stage (only the optimizer step), so there it understates the
-                 cost of data_parallel at world_size > 1; pass allreduce_ms_per_value= to override.
-  capacity       every rank gets the sum of the profile's stage capacities (one profile for the job).
-  memory         memory_bytes_per_rank / bytes_per_value embedding values per rank, times state_factor.
-Without a profile there are no training costs to trade against, so the result keeps the planner's placement
-(status says so).
+The MILP's costs (TableLoad / MappingCosts) come from the job's stage profile and its timed fused groups; how each
+one is derived, and where it over- or understates: docs/rap.md. Without a profile the result keeps the planner's
+placement (status says so).
 """
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
 import torch
+from torchrec import EmbeddingBagCollection
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
 from recforge.config import DatasetConfig, ModelConfig, TrainConfig
-from recforge.preprocess.planning.compiler import CompiledPlan, FusedGroup
+from recforge.preprocess.executor import make_executor
+from recforge.preprocess.planning.compiler import CompiledPlan, compile_plan
 from recforge.preprocess.planning.plan import Plan
 from recforge.rap.mapping.milp import (
     MappingCosts,
@@ -55,9 +39,12 @@ from recforge.rap.mapping.milp import (
     placement_load,
     solve,
 )
+from recforge.rap.planning.schedule import restrict, split_units
+from recforge.rap.profiling.kernel_timer import GroupTimer, group_timer
 from recforge.rap.profiling.profiler import ProfileKey, StageProfile
+from recforge.train.model import EBC_PATH, build_dlrm, embedding_configs
+from recforge.train.sharding import make_planner, plan_summary
 
-GroupTimer = Callable[[FusedGroup], float]
 KINDS = ("table_wise", "column_wise", "data_parallel")
 COMPILE_METHOD = "greedy"  # the workers' executors compile the plan this way (recforge.rap.mapping.worker_mapping)
 
@@ -109,8 +96,6 @@ def placements_from_json(text: str) -> dict[str, Placement]:
 def prep_costs(compiled: CompiledPlan, timer: GroupTimer) -> tuple[dict[str, float], float]:
     """(marginal ms of each sparse feature's chain at the timer's rows, ms every rank spends regardless of the
     placement: dense groups and the sparse groups' launch cost). See the module doc."""
-    from recforge.rap.planning.schedule import restrict, split_units
-
     per_feature: dict[str, float] = {f: 0.0 for f in compiled.plan.sparse_features()}
     fixed = 0.0
     for g in compiled.groups:
@@ -145,8 +130,6 @@ def table_loads(plan: Plan, tables: Sequence[tuple[str, int]], embedding_dim: in
 
 def dense_parameter_count(model: ModelConfig, tables: Sequence[tuple[str, int]], num_dense: int) -> int:
     """Parameters of the model outside its embedding tables (built on the meta device: nothing allocated)."""
-    from recforge.train.model import EBC_PATH, build_dlrm
-
     m = build_dlrm(model, tables, max(num_dense, 1), device="meta")
     return sum(p.numel() for n, p in m.named_parameters() if not n.startswith(EBC_PATH + "."))
 
@@ -201,12 +184,6 @@ def planner_placements(tables: Sequence[tuple[str, int]], embedding_dim: int, wo
                        device_type: str = "cpu") -> dict[str, Placement]:
     """The placements TorchRec's planner picks for the job, as shard_model would ask it (a meta-device model:
     nothing allocated). Without `model`, the embedding collection alone is planned."""
-    from torchrec import EmbeddingBagCollection
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-
-    from recforge.train.model import EBC_PATH, build_dlrm, embedding_configs
-    from recforge.train.sharding import make_planner, plan_summary
-
     if model is not None:
         module = build_dlrm(model, tables, max(num_dense, 1), device="meta")
     else:
@@ -239,7 +216,7 @@ def plan_mapping(plan: Plan, dataset: DatasetConfig, tables: Sequence[tuple[str,
                  time_limit_s: float = 30.0) -> MappingResult:
     """The job's table placements: mapping.solve over the costs described in the module doc.
 
-    timer: ms of a fused group of `compiled` at `batch_size` rows (recforge.pipelines.rap_corun.group_timer); None
+    timer: ms of a fused group of `compiled` at `batch_size` rows (recforge.rap.profiling.kernel_timer.group_timer); None
     times the fused executor on synthetic rows of `dataset` here. compiled: the compilation the timer's groups come
     from (default: the plan compiled as the workers compile it). model: checks the profile's model digest, counts
     the dense parameters (all-reduce estimate) and is what the planner plans. train: its sharding must leave the
@@ -261,14 +238,9 @@ def plan_mapping(plan: Plan, dataset: DatasetConfig, tables: Sequence[tuple[str,
     if profile is not None:
         check_profile(profile, world_size, batch_size, model, tables)
     if timer is None:
-        from recforge.preprocess.executor import make_executor
-        from recforge.pipelines.rap_corun import group_timer
-
         executor = make_executor("fused", plan, dataset, method=COMPILE_METHOD, compiled=compiled)
         compiled, timer = executor.compiled, group_timer(executor, dataset, batch_size)
     elif compiled is None:
-        from recforge.preprocess.planning.compiler import compile_plan
-
         compiled = compile_plan(plan, method=COMPILE_METHOD)
     per_feature, fixed_ms = prep_costs(compiled, timer)
     loads = table_loads(plan, tables, embedding_dim, per_feature, world_size)

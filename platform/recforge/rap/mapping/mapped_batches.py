@@ -1,5 +1,5 @@
 """A rank's batches under RAP's mapping: every rank steps through the same global batches, each preprocessing
-its share (RAP.md §3.1).
+its share (RAP's mapping, docs/rap.md).
 
 Global batch k of a task = its rows [k*W*B, (k+1)*W*B); rank r trains rows [k*W*B + r*B, k*W*B + (r+1)*B) of it
 (padded to B with zero-weight rows). Rank r preprocesses

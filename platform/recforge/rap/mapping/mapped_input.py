@@ -1,6 +1,6 @@
 """RAP's mapping on the training side: the sharded EBC takes ids already on their table's worker (no input all-to-all).
 
-With RAP's mapping (RAP.md §3.1, §4) rank r preprocesses the sparse features of the tables it holds (table_wise or
+With RAP's mapping (docs/rap.md) rank r preprocesses the sparse features of the tables it holds (table_wise or
 column_wise) over the GLOBAL batch (every rank's padded local batch, concatenated in rank order) and the features of
 data_parallel tables over its LOCAL batch. That is exactly what torchrec's input distribution would have delivered to
 r's lookups, so the KJT all-to-all is skipped: `MappedInput.install(dmp)` swaps the ShardedEmbeddingBagCollection's

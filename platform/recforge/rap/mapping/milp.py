@@ -20,29 +20,17 @@ import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
-
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_matrix
 
 from recforge.preprocess.planning.graph import Node, OpGraph
 from recforge.preprocess.planning.plan import Plan
-
-Kind = Literal["table_wise", "column_wise", "data_parallel"]
+from recforge.train.placement import Placement  # the MILP's choice is the input of TorchRec sharding (recforge.train)
 
 
 class MappingError(ValueError):
     """Tables and plan features disagree, or no placement fits; the message names the table / feature."""
-
-
-@dataclass(frozen=True)
-class Placement:
-    kind: Kind
-    ranks: tuple[int, ...]
-
-    def label(self) -> str:
-        return f"{self.kind}{list(self.ranks)}"
 
 
 @dataclass(frozen=True)
@@ -288,18 +276,3 @@ def from_torchrec(summary: Mapping[str, Mapping]) -> dict[str, Placement]:
         out[table] = Placement(kind, tuple(info["ranks"]))
     return out
 
-
-def to_torchrec(placements: Mapping[str, Placement], ebc, world_size: int, device_type: str = "cpu"):
-    """An EmbeddingModuleShardingPlan for the EmbeddingBagCollection `ebc` (DMP takes it under the EBC's path)."""
-    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, data_parallel, table_wise
-
-    gen = {}
-    for table, p in placements.items():
-        if p.kind == "table_wise":
-            gen[table] = table_wise(rank=p.ranks[0])
-        elif p.kind == "column_wise":
-            gen[table] = column_wise(ranks=list(p.ranks))
-        else:
-            gen[table] = data_parallel()
-    return construct_module_sharding_plan(ebc, gen, local_size=world_size, world_size=world_size,
-                                          device_type=device_type)

@@ -6,6 +6,7 @@ a bar past its stage's capacity is drawn red (that much is not hidden).
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -15,10 +16,10 @@ from recforge.rap.profiling.stages import STAGES
 
 def figure(schedule: CorunSchedule, stage_ms: Mapping[str, float], capacity_ms: Mapping[str, float],
            title: str | None = None):
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only when a chart is drawn
 
     matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after choosing the Agg backend
 
     fig, ax = plt.subplots(figsize=(10, 2.8))
     colors = plt.get_cmap("tab10")
@@ -52,7 +53,7 @@ def figure(schedule: CorunSchedule, stage_ms: Mapping[str, float], capacity_ms: 
 
 def save_png(schedule: CorunSchedule, stage_ms: Mapping[str, float], capacity_ms: Mapping[str, float],
              path: str | Path, title: str | None = None) -> Path:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only when a chart is drawn
 
     fig = figure(schedule, stage_ms, capacity_ms, title)
     path = Path(path)
@@ -65,9 +66,7 @@ def save_png(schedule: CorunSchedule, stage_ms: Mapping[str, float], capacity_ms
 def log_schedule(schedule: CorunSchedule, stage_ms: Mapping[str, float], capacity_ms: Mapping[str, float],
                  store, run_id: str, name: str = "rap/schedule") -> None:
     """The schedule JSON and its Gantt PNG into an MLflow run (recforge.tracking.TrackingStore)."""
-    import json
-
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only when a chart is drawn
 
     store.log_dict(run_id, json.loads(schedule.to_json()), f"{name}.json")
     fig = figure(schedule, stage_ms, capacity_ms)

@@ -21,11 +21,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from recforge.preprocess.planning.compiler import CompiledPlan, FusedGroup
+from recforge.preprocess.planning.compiler import CompiledPlan, FusedGroup, compile_plan
 from recforge.preprocess.planning.graph import Node
 from recforge.preprocess.planning.plan import Plan
 from recforge.rap.profiling.cost_model import CostModel, predict_group
-from recforge.rap.mapping.milp import Placement
+from recforge.rap.mapping.milp import Placement, node_rows, rank_plan, split_rank_plan
 from recforge.rap.planning.schedule import Assignment, CorunSchedule, split_units
 from recforge.rap.profiling.stages import STAGES
 
@@ -145,9 +145,6 @@ def rank_schedule(plan: Plan, placements: Mapping[str, Placement], rank: int, wo
     """One worker's compiled plan (recforge.rap.mapping.milp.rank_plan: dense + data-parallel features over the local
     batch, its tables over the global batch) and its co-run schedule. Build the worker's FusedExecutor from this
     compiled plan: the schedule names its groups."""
-    from recforge.preprocess.planning.compiler import compile_plan
-    from recforge.rap.mapping.milp import node_rows, rank_plan
-
     mine = compile_plan(rank_plan(plan, placements, rank), method=method)
     rows = node_rows(mine.graph, placements, batch_size, world_size)
     sched = schedule(mine, duration_ms, capacity_ms, group_cost(model, mine, rows, source_width),
@@ -174,9 +171,6 @@ def mapped_rank_schedules(plan: Plan, placements: Mapping[str, Placement], rank:
     in a stage stay within its capacity except where a job's leftovers went into its last taken stage (§3.4 step
     4). Each schedule's meta: job ('global' / 'local'), rows, rank, world_size, batch_size, stage_capacity_ms (the
     stage's whole capacity; `capacity_ms` is what that job was given)."""
-    from recforge.preprocess.planning.compiler import compile_plan
-    from recforge.rap.mapping.milp import split_rank_plan
-
     if not 0 <= rank < world_size:
         raise ValueError(f"mapped_rank_schedules: rank {rank} is not in [0, world_size={world_size})")
     if batch_size < 1:

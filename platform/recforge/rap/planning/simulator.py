@@ -2,7 +2,7 @@
 
 Stage model (the one RAP's scheduler assumes): preprocessing work w co-running in stage s is hidden up to the
 stage's spare capacity C_s; the excess serializes, so the stage takes tau_s + max(0, w_s - C_s). Training is
-synchronous: the iteration is the slowest rank's. Methods (RAP's end-to-end + ablation baselines, RAP.md §5):
+synchronous: the iteration is the slowest rank's. Methods (RAP's end-to-end + ablation baselines, docs/rap.md):
 
   ideal           training alone on ready batches; no input all-to-all of ids.
   sequential      every rank preprocesses all features of its local batch, one launch per op and feature,
@@ -27,6 +27,7 @@ from recforge.preprocess.planning.plan import Plan
 from recforge.rap.mapping.milp import Placement, node_rows, rank_plan
 from recforge.rap.planning.schedule import CorunSchedule, split_units
 from recforge.rap.planning.scheduler import pack, schedule, select_stages
+from recforge.rap.profiling.cost_model import predict_group
 from recforge.rap.profiling.stages import STAGES
 
 METHODS = ("sequential", "cuda_stream", "mps", "rap_no_mapping", "rap_no_fusion", "rap", "ideal")
@@ -166,6 +167,4 @@ def simulate(setup: SimSetup) -> SimResult:
 
 def cost_model_kernel_cost(model, source_width: Mapping[str, float] | None = None) -> KernelCost:
     """KernelCost from a fitted recforge.rap.profiling.cost_model.CostModel."""
-    from recforge.rap.profiling.cost_model import predict_group
-
     return lambda compiled, group, rows: predict_group(model, compiled, group, rows, source_width)

@@ -11,20 +11,9 @@ proxy where rank 0 puts it) measures the stage durations and grows RAP's proxy k
 background thread with the co-run thread budget; each proxy size is compared with steps without it interleaved
 with its own (`paired`: the load of a shared machine drifts during the search).
 
-Measured on this 2-core machine (plan 0, batch 4096, 1 trainer + 1 co-run thread per rank), idle otherwise:
-  * 1 rank: capacity 1.1 / 4.9 / 12.0 / 2.4 / 0 ms in stages of 4.1 / 9.5 / 14.9 / 3.8 / 1.2 ms (the co-run
-    thread has the second core to itself).
-  * 2 ranks: stages 12.5 / 9.8 / 15.7 / 15.0 / 3.0 ms (all-to-alls and all-reduce in them), capacity ~0: two
-    trainers and two co-run threads on two cores leave no spare core, so the scheduler puts the kernels into its
-    last stage. Under other load (five jobs on the two cores) even one rank measures ~0.
-Honest limits, also in the profile's meta:
-  * CPU threshold: 10% (CPU_THRESHOLD), not RAP's 2%: on a shared 2-core box a stage's median over a few steps
-    moves by more than 2% from run to run, so a 2% search would stop at noise. On CUDA the 2% of the paper.
-  * the profile is of the unmapped model (torchrec's planner placement, input all-to-all included in emb_fwd):
-    the placements are chosen from it (recforge.rap.mapping.job_mapping).
-  * the CUDA path (nccl group, one GPU per rank, proxy on a low-priority stream) has not run: no GPU here.
-  * the proxy's size is capped (max_units) so the search stays short: a stage whose capacity reaches the cap
-    is reported at the cap (meta `capped_stages`).
+CPU_THRESHOLD is 10%, not RAP's 2% (on CUDA): a shared CPU's stage medians move by more than 2% from run to run.
+The proxy's size is capped (max_units); a stage that reaches the cap is listed in the meta's `capped_stages`.
+Measurements on a 2-core machine and the limits of these profiles: docs/known_limits.md.
 """
 from __future__ import annotations
 
@@ -40,9 +29,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recforge.data.shards import read_rows
+from recforge.elastic.master.service import shard_rows_from_manifest
+from recforge.preprocess.batch import RawBatch
+from recforge.preprocess.executor import make_executor
 from recforge.preprocess.planning.plan import Plan
-from recforge.rap.profiling.profiler import BackgroundRunner, ProfileKey, ProxyKernel, StageProfile, StageProfiler
+from recforge.rap.profiling.profiler import (
+    BackgroundRunner,
+    ProfileKey,
+    ProfileMismatch,
+    ProxyKernel,
+    StageProfile,
+    StageProfiler,
+    log_profile,
+)
 from recforge.rap.profiling.stages import STAGES, StageTracker
+from recforge.train.batches import prepare
+from recforge.train.loss import step_loss
+from recforge.train.model import build_dlrm
+from recforge.train.sharding import shard_model
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +79,6 @@ def single_rank_group(backend: str = "gloo"):
 
 def first_batches(manifest_dir: str | Path, dataset, executor, batch_size: int, count: int, device) -> list:
     """Up to `count` padded, preprocessed batches from the first rows of the manifest's shards."""
-    from recforge.data.shards import read_rows
-    from recforge.elastic.master.service import shard_rows_from_manifest
-    from recforge.preprocess.batch import RawBatch
-    from recforge.train.batches import prepare
-
     out = []
     for shard, rows in enumerate(shard_rows_from_manifest(manifest_dir)):
         for start in range(0, rows, batch_size):
@@ -101,11 +101,6 @@ def proxy_units(rows: int, longest_stage_ms: float, unit_ms: float) -> int:
 def job_step(cfg, plan: Plan, dataset, manifest_dir: str | Path, world_size: int, device: torch.device):
     """The job's training step as a worker runs it (needs the process group): (tracker, step, steps served).
     Every rank builds the model from the worker's seed and trains on the manifest's first batches."""
-    from recforge.preprocess.executor import make_executor
-    from recforge.train.loss import step_loss
-    from recforge.train.model import build_dlrm
-    from recforge.train.sharding import shard_model
-
     batch_size = cfg.train.batch_size
     executor = make_executor(cfg.preprocess_executor, plan, dataset)
     batches = first_batches(manifest_dir, dataset, executor, batch_size, BATCHES, device)
@@ -205,8 +200,6 @@ def profile_job(cfg, plan: Plan, world_size: int, manifest_dir: str | Path, thre
     """The job's StageProfile (not stored: store_and_log does). `cfg`: the PipelineConfig; `dataset`: the
     manifest's schema (default cfg.dataset()). World size 1: in this process; more: that many processes
     (recforge.rap.profiling.profile_ranks), so the collectives and the workers' contention are in the stages."""
-    from recforge.elastic.master.service import shard_rows_from_manifest
-
     device = torch.device(device)
     key = ProfileKey.of(cfg.model, plan.tables(), world_size, cfg.train.batch_size, device)
     dataset = dataset or cfg.dataset()
@@ -214,7 +207,7 @@ def profile_job(cfg, plan: Plan, world_size: int, manifest_dir: str | Path, thre
     if not sum(shard_rows_from_manifest(manifest_dir)):  # fail here, not in the ranks
         raise ValueError(f"profile_job: the training manifest {manifest_dir} has no rows to profile on")
     if world_size > 1:
-        from recforge.rap.profiling.profile_ranks import profile_in_processes
+        from recforge.rap.profiling.profile_ranks import profile_in_processes  # lazy: profile_ranks imports this module
 
         profile = profile_in_processes(cfg, plan, dataset, world_size, manifest_dir, threads, device)
     else:
@@ -257,10 +250,10 @@ def describe(profile: StageProfile, key: ProfileKey, threads: int, max_units: in
 
 def profile_figure(profile: StageProfile):
     """Bars per stage: the measured duration and the spare capacity found (proxy standalone ms)."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only when a chart is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after choosing the Agg backend
 
     fig, ax = plt.subplots(figsize=(7, 3.2))
     x = range(len(STAGES))
@@ -276,9 +269,7 @@ def profile_figure(profile: StageProfile):
 
 def store_and_log(profile: StageProfile, root: str | Path, store, run_id: str) -> Path:
     """Save the profile under `root` and log it (JSON, metrics, the bar chart) into the MLflow run."""
-    import matplotlib.pyplot as plt
-
-    from recforge.rap.profiling.profiler import log_profile
+    import matplotlib.pyplot as plt  # lazy: matplotlib only when a chart is drawn
 
     path = profile.save(root)
     log_profile(profile, store, run_id)
@@ -292,8 +283,6 @@ def store_and_log(profile: StageProfile, root: str | Path, store, run_id: str) -
 def ensure_profile(cfg, plan: Plan, world_size: int, manifest_dir: str | Path, profile_dir: str | Path, store,
                    run_id: str, threads: int = 1, dataset=None) -> tuple[StageProfile, str]:
     """(the stored profile matching the job, 'stored'), else a fresh one, stored and logged, and 'profiled'."""
-    from recforge.rap.profiling.profiler import ProfileMismatch, log_profile
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     key = ProfileKey.of(cfg.model, plan.tables(), world_size, cfg.train.batch_size, device)
     try:

@@ -20,9 +20,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from recforge.config import DatasetConfig, PipelineConfig
 from recforge.elastic.backends.local import free_port
 from recforge.preprocess.planning.plan import Plan
+from recforge.rap.profiling.profile_job import describe, follow_profile, job_step, lead_profile
 from recforge.rap.profiling.profiler import ProfileKey, StageProfile
 
 TIMEOUT_S = 900
@@ -75,11 +78,6 @@ def _wait_all(procs: list[subprocess.Popen], deadline: float) -> list[tuple[int,
 
 
 def main(job_path: str) -> None:
-    import torch.distributed as dist
-
-    from recforge.config import DatasetConfig, PipelineConfig
-    from recforge.rap.profiling.profile_job import describe, follow_profile, job_step, lead_profile
-
     job = json.loads(Path(job_path).read_text())
     cfg = PipelineConfig.model_validate(job["cfg"])
     plan, dataset = Plan.load(job["plan"]), DatasetConfig.model_validate(job["dataset"])

@@ -9,7 +9,7 @@ in units and as the proxy's standalone time (ms), the quantity the scheduler com
 
 On CPU the proxy runs on one background thread with its own torch thread budget (OpenMP's thread count is
 per calling thread), as the co-run runtime runs preprocessing. On CUDA it would be launched on a low-priority
-side stream; that path is written but has not run here (no GPU in CI).
+side stream (docs/known_limits.md lists what has not run on a GPU).
 
 Profiles are keyed by (model config incl. tables, world size, batch size, device), stored as JSON, logged to
 MLflow through recforge.tracking; `StageProfile.check` refuses a profile made for another job.
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from recforge_kernels import fused
 
 from recforge.rap.profiling.stages import STAGES, StageTracker
 
@@ -124,8 +125,6 @@ class ProxyKernel:
     """`units` x 4 features of [rows, 8] values through one recforge::fused_ngram launch."""
 
     def __init__(self, rows: int, device: str | torch.device = "cpu", max_units: int = 64, seed: int = 0):
-        from recforge_kernels import fused
-
         g = torch.Generator().manual_seed(seed)
         self._xs = [torch.rand(rows, PROXY_WIDTH, generator=g).to(device)
                     for _ in range(max_units * PROXY_FEATURES_PER_UNIT)]
@@ -285,13 +284,6 @@ class StageProfiler:
                             meta={"slowdown_by_units": {s: {str(k): v for k, v in d.items()} for s, d in searched.items()},
                                   "threads": self.runner.threads, "steps_per_point": self.steps_per_point,
                                   "paired": self.paired})
-
-
-def rank_stages(profile: StageProfile):
-    """The simulator's RankStages of a profile."""
-    from recforge.rap.planning.simulator import RankStages
-
-    return RankStages(dict(profile.stage_ms), dict(profile.capacity_ms))
 
 
 def capacity_ms_from_units(units: Mapping[str, int], unit_cost: Callable[[int], float]) -> dict[str, float]:

@@ -31,16 +31,8 @@ So the trainer's step is:
     opt.step(); opt.zero_grad()   # allreduce
     tracker.step_end()
 
-Where the boundaries are (torchrec's DLRM runs dense_arch BEFORE sparse_arch, and autograd interleaves):
-  emb_fwd   model forward start (or step_begin) -> sparse_arch forward end. Includes the bottom MLP's
-            (dense_arch) forward, which DLRM runs first; it is small next to the embedding lookup + all-to-all.
-  mlp_fwd   sparse_arch forward end -> first gradient of the logits (interaction, top MLP, the loss).
-  mlp_bwd   first gradient of the logits -> gradient of the embedding output (sparse_arch's output tensor).
-  emb_bwd   gradient of the embedding output -> the autograd engine finishes the backward graph's work:
-            pooled-embedding all-to-all backward, TBE backward with its fused (in-backward) optimizer, and the
-            bottom MLP's backward (the engine runs it after the sparse branch: it was created earlier).
-  allreduce end of backward computation -> step_end(): DDP's wait for the dense-gradient all-reduce (buckets
-            overlap backward; what is left unhidden lands here) and the dense optimizer step.
+Where each boundary falls in torchrec's DLRM (dense_arch runs before sparse_arch; autograd interleaves the
+branches): docs/rap.md. emb_fwd starts at the model's forward (or step_begin), allreduce ends at step_end().
 A forward without grad (eval, torch.no_grad) or in eval mode is ignored. Boundaries out of order raise
 StageOrderError naming the stage.
 

@@ -32,7 +32,7 @@ runtimes only (they raise, naming `jobs` / `launch_many` / `results`, on a runti
 CPU (what CI runs): one background thread with its own intra-op thread budget (OpenMP's thread count is a
 per-thread setting; see `_pin_threads`). CUDA: the same thread enqueues each stage's kernels on a
 lowest-priority stream after waiting for a CUDA event recorded on the training stream at the stage's start;
-`result()` makes the training stream wait for that stream. The CUDA path has not run on a GPU yet.
+`result()` makes the training stream wait for that stream (docs/known_limits.md).
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from recforge.data.manifest import Manifest
 from recforge.data.schema import empty_batch
 from recforge.data.shards import read_rows
 from recforge.preprocess.batch import RawBatch
+from recforge.preprocess.executor import make_executor
 from recforge.preprocess.planning.plan import Plan
 from recforge.train.batches import Batch, TaskBatches, TaskClient
 
@@ -71,8 +72,6 @@ def _as_matrix(kjt: KeyedJaggedTensor, rows: int) -> tuple[Tensor, list[int]]:
 
 def preprocess_manifest(manifest_dir: str | Path, plan: Plan, dataset: DatasetConfig, out_dir: str | Path,
                         executor: str = "fused") -> dict[str, Any]:
-    from recforge.preprocess.executor import make_executor
-
     ex = make_executor(executor, plan, dataset)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

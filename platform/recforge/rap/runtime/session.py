@@ -19,9 +19,11 @@ from typing import Any
 import torch
 
 from recforge.config import DatasetConfig
+from recforge.preprocess.executor import make_executor
 from recforge.preprocess.planning.plan import Plan
-from recforge.rap.runtime.corun_batches import CorunTaskBatches
+from recforge.rap.mapping.mapped_batches import MappedCorunBatches
 from recforge.rap.mapping.mapped_input import MappedInput
+from recforge.rap.runtime.corun_batches import CorunTaskBatches
 from recforge.rap.runtime.corun_runtime import CorunConfigError, CorunRuntime, check_plan_in_sharding
 from recforge.rap.planning.schedule import CorunSchedule
 from recforge.rap.profiling.stages import StageTracker
@@ -29,8 +31,6 @@ from recforge.rap.profiling.stages import StageTracker
 
 def corun_executor(plan: Plan, dataset: DatasetConfig):
     """The fused executor the runtime drives (its own instance: its kernel caches are used by one thread)."""
-    from recforge.preprocess.executor import make_executor
-
     return make_executor("fused", plan, dataset)
 
 
@@ -75,8 +75,6 @@ class CorunSession:
                 device: torch.device, ledger=None, source_cls: type[CorunTaskBatches] = CorunTaskBatches,
                 ) -> CorunTaskBatches:
         if self.mapped is not None:
-            from recforge.rap.mapping.mapped_batches import MappedCorunBatches
-
             source = MappedCorunBatches(client, manifest_dir, dataset, self.runtime, batch_size, device,
                                         self.mapped.rank, self.mapped.world_size, ledger=ledger,
                                         step_boundary=self.step_boundary, step_done=self.step_done)

@@ -12,13 +12,13 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from recforge.recom.columns.analyze import analyze_columns
-from recforge.recom.frontend.capture import Capture
 from recforge.recom.backend.dense import convergence_ok
-from recforge.recom.frontend.identify import ColumnSet, identify_columns
-from recforge.recom.columns.passes import PassLog, optimize
 from recforge.recom.backend.embedding_plan import EmbeddingPlan, build_plan, check_lowerable
+from recforge.recom.columns.analyze import analyze_columns
+from recforge.recom.columns.passes import PassLog, optimize
 from recforge.recom.columns.program import ColumnProgram
+from recforge.recom.frontend.capture import Capture
+from recforge.recom.frontend.identify import ColumnSet, identify_columns
 from recforge.recom.frontend.symshape import SymbolicShapes
 
 aten = torch.ops.aten

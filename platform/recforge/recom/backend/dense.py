@@ -9,6 +9,7 @@ can take it. ``onednn_linears`` routes 2-D float32 ``linear`` (+ a following rel
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -166,8 +167,6 @@ def with_onednn(ep: torch.export.ExportedProgram) -> tuple[torch.export.Exported
     The copy is for running only: torch.export cannot serialize mkldnn._linear_pointwise, so artifacts
     keep the portable program and this is applied again after loading.
     """
-    import copy
-
     params = {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.PARAMETER}
     memo = {id(t): t for t in list(ep.state_dict.values()) + list((getattr(ep, "constants", {}) or {}).values())}
     with warnings.catch_warnings():  # deepcopy of torch's TreeSpec trips its own LeafSpec deprecation notice
@@ -182,4 +181,5 @@ def export_residual(gm: GraphModule, example: list[torch.Tensor], dims: list[Any
     """torch.export the residual with ``dims[i]`` the Dim of input i's dim 0 (None: static)."""
     shapes = tuple({0: d} if d is not None else None for d in dims)
     with torch.no_grad():
-        return torch.export.export(gm, tuple(example), dynamic_shapes=shapes if any(d is not None for d in dims) else None)
+        dynamic = shapes if any(d is not None for d in dims) else None
+        return torch.export.export(gm, tuple(example), dynamic_shapes=dynamic)

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import symengine as se
 import torch
 
+from recforge.recom.columns import program as prog
 from recforge.recom.columns.intervals import INT64_MAX, INT64_MIN, IntervalSet
 from recforge.recom.columns.passes import ids_range
-from recforge.recom.columns import program as prog
 from recforge.recom.columns.program import ColumnProgram
 from recforge.recom.frontend.symshape import SymbolicShapes
 from recforge_kernels import embedding_layout as L
@@ -195,7 +195,7 @@ def build_plan(programs: list[ColumnProgram], tables: dict[str, torch.Tensor], s
     for p in ordered:
         w_offs.append(w_total)
         w_total += -(-p.rows * p.dim // _ALIGN) * _ALIGN
-    for p, w_off in zip(ordered, w_offs):
+    for p, w_off in zip(ordered, w_offs, strict=True):
         expr, (wb, wn, wc) = _workspace_bound(p, ss, placeholders)
         ws_exprs.append(expr)
         r = ids_range(p)
@@ -213,7 +213,7 @@ def build_plan(programs: list[ColumnProgram], tables: dict[str, torch.Tensor], s
         row = [head[k] for k in L.META_FIELDS] + _steps_row(p, index_of, fb, ib)
         rows.append(row + [0] * (L.META_WIDTH - len(row)))
     weights = torch.zeros(max(w_total, 1), dtype=torch.float32)
-    for p, w_off in zip(ordered, w_offs):
+    for p, w_off in zip(ordered, w_offs, strict=True):
         t = tables[p.table].detach()
         if tuple(t.shape) != (p.rows, p.dim):
             raise NotLowerable(f"{p.name}: table shape {tuple(t.shape)} != ({p.rows}, {p.dim})")

@@ -10,12 +10,14 @@ raise ValueError. Nothing is read outside a table, an input or the workspace.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import Tensor, nn
 
 import recforge_kernels.embedding_op  # noqa: F401  (registers torch.ops.recforge.embedding_layer)
-from recforge.recom.errors import LookupIndexError
 from recforge.recom.backend.embedding_plan import EmbeddingPlan
+from recforge.recom.errors import LookupIndexError
 
 
 class FusedEmbeddingLayer(nn.Module):
@@ -34,7 +36,7 @@ class FusedEmbeddingLayer(nn.Module):
         self.column_names = list(column_names)  # metadata row order
 
     @classmethod
-    def from_plan(cls, plan: EmbeddingPlan, flat_names: list[str]) -> "FusedEmbeddingLayer":
+    def from_plan(cls, plan: EmbeddingPlan, flat_names: list[str]) -> FusedEmbeddingLayer:
         pos = {n: i for i, n in enumerate(flat_names)}
         return cls(plan.weights, plan.fbuf, plan.ibuf, plan.meta, plan.total_dim,
                    [pos[n] for n in plan.input_names], pos[plan.batch_input], [p.name for p in plan.programs])
@@ -61,8 +63,6 @@ class FusedEmbeddingLayer(nn.Module):
 
 def _name_column(message: str, names: list[str]) -> str:
     """The kernel numbers columns by metadata row; say which column of the model that is."""
-    import re
-
     m = re.search(r"column (\d+)", message)
     if m and int(m.group(1)) < len(names):
         return f"{message} (column {names[int(m.group(1))]!r})"

@@ -17,7 +17,6 @@ from recforge.recom.columns.intervals import IntervalSet
 from recforge.recom.columns.program import Src
 
 
-
 class Unsupported(Exception):
     """An op or argument the column analysis does not model; the message says which."""
 
@@ -30,7 +29,7 @@ class Elems:  # index space: the elements of an input's dim 0
 @dataclass(frozen=True)
 class Filt:  # the elements of ``parent`` where ``cond`` holds
     parent: Any
-    cond: "Cond"
+    cond: Cond
 
 
 @dataclass(frozen=True)
@@ -185,7 +184,7 @@ class Rows:
 
 @dataclass(frozen=True)
 class Bag:  # the tuple an embedding_bag returns; element 0 is the lookup
-    lookup: "Lookup"
+    lookup: Lookup
 
 
 @dataclass(frozen=True)

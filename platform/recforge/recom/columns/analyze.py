@@ -27,13 +27,26 @@ from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
 from recforge.recom.columns.absval import (
-    INT_DTYPES, Cond, Const, Dead, Elems, Filled, Filt, Grid, Like, Lookup, Stream, Sym, Table, Unsupported,
+    INT_DTYPES,
+    Cond,
+    Const,
+    Dead,
+    Elems,
+    Filled,
+    Filt,
+    Grid,
+    Like,
+    Lookup,
+    Stream,
+    Sym,
+    Table,
+    Unsupported,
     dtype_name,
 )
 from recforge.recom.columns.intervals import IntervalSet
-from recforge.recom.frontend.identify import Column, ColumnSet
 from recforge.recom.columns.program import Bucketize, ColumnProgram, Remove, Src
 from recforge.recom.columns.rules import _ELEMENTWISE, _RULES
+from recforge.recom.frontend.identify import Column, ColumnSet
 from recforge.recom.frontend.symshape import SymbolicShapes
 
 __all__ = ["ColumnAnalyzer", "Unsupported", "analyze_columns"]
@@ -169,7 +182,7 @@ class ColumnAnalyzer:
         out = rule(self, node)
         if isinstance(out, Grid) and rule in _ELEMENTWISE:
             first = next(a for a in node.args if isinstance(a, Node))
-            if not all(self.ss.prove_equal(p, q) for p, q in zip(self.shape(node), self.shape(first))) \
+            if not all(self.ss.prove_equal(p, q) for p, q in zip(self.shape(node), self.shape(first), strict=False)) \
                     or len(self.shape(node)) != len(self.shape(first)):
                 raise Unsupported(f"{node.name}: broadcasting changes the feature grid's shape")
         if out is None:

@@ -17,7 +17,7 @@ class IntervalSet:
     spans: tuple[tuple[int, int], ...]  # sorted, disjoint, non-adjacent, lo <= hi
 
     @staticmethod
-    def of(*spans: tuple[int, int]) -> "IntervalSet":
+    def of(*spans: tuple[int, int]) -> IntervalSet:
         clipped = sorted((max(lo, INT64_MIN), min(hi, INT64_MAX)) for lo, hi in spans)
         merged: list[list[int]] = []
         for lo, hi in clipped:
@@ -30,19 +30,19 @@ class IntervalSet:
         return IntervalSet(tuple((lo, hi) for lo, hi in merged))
 
     @staticmethod
-    def full() -> "IntervalSet":
+    def full() -> IntervalSet:
         return IntervalSet(((INT64_MIN, INT64_MAX),))
 
     @staticmethod
-    def empty() -> "IntervalSet":
+    def empty() -> IntervalSet:
         return IntervalSet(())
 
     @staticmethod
-    def point(v: int) -> "IntervalSet":
+    def point(v: int) -> IntervalSet:
         return IntervalSet.of((v, v))
 
     @staticmethod
-    def compare(op: str, c: int) -> "IntervalSet":
+    def compare(op: str, c: int) -> IntervalSet:
         """{x : x <op> c} for op in ge, gt, le, lt, eq, ne."""
         table = {
             "ge": ((c, INT64_MAX),), "gt": ((c + 1, INT64_MAX),), "le": ((INT64_MIN, c),),
@@ -67,11 +67,11 @@ class IntervalSet:
     def __contains__(self, v: int) -> bool:
         return any(lo <= v <= hi for lo, hi in self.spans)
 
-    def contains(self, other: "IntervalSet") -> bool:
+    def contains(self, other: IntervalSet) -> bool:
         """other is a subset of self: each of its intervals lies inside one of ours (&&, not ||)."""
-        return all(any(lo >= l and hi <= r for l, r in self.spans) for lo, hi in other.spans)
+        return all(any(lo >= left and hi <= right for left, right in self.spans) for lo, hi in other.spans)
 
-    def intersect(self, other: "IntervalSet") -> "IntervalSet":
+    def intersect(self, other: IntervalSet) -> IntervalSet:
         out = []
         for a_lo, a_hi in self.spans:
             for b_lo, b_hi in other.spans:
@@ -80,10 +80,10 @@ class IntervalSet:
                     out.append((lo, hi))
         return IntervalSet.of(*out)
 
-    def union(self, other: "IntervalSet") -> "IntervalSet":
+    def union(self, other: IntervalSet) -> IntervalSet:
         return IntervalSet.of(*self.spans, *other.spans)
 
-    def complement(self) -> "IntervalSet":
+    def complement(self) -> IntervalSet:
         out, prev = [], INT64_MIN
         for lo, hi in self.spans:
             if lo > prev:
@@ -94,7 +94,7 @@ class IntervalSet:
         out.append((prev, INT64_MAX))
         return IntervalSet.of(*out)
 
-    def shift(self, c: int) -> "IntervalSet":
+    def shift(self, c: int) -> IntervalSet:
         """{x + c} for x in self, saturating at the int64 ends (a wrap-around makes the set full)."""
         spans = []
         for lo, hi in self.spans:
@@ -103,7 +103,7 @@ class IntervalSet:
             spans.append((lo + c, hi + c))
         return IntervalSet.of(*spans)
 
-    def clamp(self, lo: int | None, hi: int | None) -> "IntervalSet":
+    def clamp(self, lo: int | None, hi: int | None) -> IntervalSet:
         """{clamp(x, lo, hi)} for x in self (torch.clamp: min first, then max)."""
         out = []
         for a, b in self.spans:

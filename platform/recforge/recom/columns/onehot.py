@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pydantic import BaseModel
+
 from recforge.recom.errors import NotOneHotError
 
 # Ops that map each id to one id (or one value to one value): they cannot change how many ids a row holds.
@@ -40,8 +42,10 @@ def _features(plan: Any) -> list[Any]:
 def _firstx_count(params: Any, feature: str) -> int:
     if isinstance(params, int) and not isinstance(params, bool):
         return params
-    if params is not None and not isinstance(params, Mapping):
-        params = params.model_dump() if hasattr(params, "model_dump") else vars(params)
+    if isinstance(params, BaseModel):  # typed op params (Plan.typed_ops), else the plan's params mapping
+        params = params.model_dump()
+    elif params is not None and not isinstance(params, Mapping):
+        raise NotOneHotError(f"feature {feature!r}: firstx params {params!r} are neither a mapping nor typed params")
     params = dict(params or {})
     for key in _FIRSTX_PARAM_NAMES:
         if key in params:

@@ -118,7 +118,8 @@ def _merge(a, b):
     if isinstance(a, Clamp) and isinstance(b, Clamp):
         lo = max(v for v in (a.lo, b.lo, INT64_MIN) if v is not None)
         hi = min(v for v in (a.hi, b.hi, INT64_MAX) if v is not None)
-        if lo <= hi and (a.lo is None or a.hi is None or a.lo <= a.hi) and (b.lo is None or b.hi is None or b.lo <= b.hi):
+        if lo <= hi and (a.lo is None or a.hi is None or a.lo <= a.hi) \
+                and (b.lo is None or b.hi is None or b.lo <= b.hi):
             return Clamp(None if lo == INT64_MIN else lo, None if hi == INT64_MAX else hi)
     return None
 

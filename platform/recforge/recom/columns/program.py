@@ -9,7 +9,6 @@ the passes (``passes.py``) simplify it; the planner (``plan.py``) lowers it to t
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Union
 
 from recforge.recom.columns.intervals import IntervalSet
 
@@ -83,7 +82,7 @@ class Remove:
     keep: IntervalSet
 
 
-Step = Union[Select, Bucketize, Mod, SigridHash, Clamp, AddConst, Replace, Remove]
+Step = Select | Bucketize | Mod | SigridHash | Clamp | AddConst | Replace | Remove
 FILTERS = (Clamp, Replace, Remove)
 
 
@@ -122,7 +121,7 @@ class ColumnProgram:
     unique: bool = False  # ids go through unique + inverse before the gather
     notes: tuple[str, ...] = field(default=())
 
-    def with_(self, **changes) -> "ColumnProgram":
+    def with_(self, **changes) -> ColumnProgram:
         return replace(self, **changes)
 
     @property

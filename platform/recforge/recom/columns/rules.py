@@ -12,9 +12,32 @@ from torch.fx import Node
 
 import recforge_kernels  # noqa: F401  (torch.ops.recforge.* keys the rules)
 from recforge.recom.columns.absval import (
-    INT_DTYPES, Bag, Cond, Const, Counts, Cumsum, Dead, Elems,
-    EmptyMask, EmptyRows, EmptyRowsDom, Filled, Filt, Grid, Like, Lookup, Offsets, Ones, RowIndex, Rows, Seg,
-    Stream, Table, UniqueOf, UniqueRows, Zeros,
+    INT_DTYPES,
+    Bag,
+    Cond,
+    Const,
+    Counts,
+    Cumsum,
+    Dead,
+    Elems,
+    EmptyMask,
+    EmptyRows,
+    EmptyRowsDom,
+    Filled,
+    Filt,
+    Grid,
+    Like,
+    Lookup,
+    Offsets,
+    Ones,
+    RowIndex,
+    Rows,
+    Seg,
+    Stream,
+    Table,
+    UniqueOf,
+    UniqueRows,
+    Zeros,
 )
 from recforge.recom.columns.intervals import IntervalSet
 from recforge.recom.columns.program import AddConst, Bucketize, Clamp, Mod, Remove, Replace, Select, SigridHash, Src
@@ -64,7 +87,7 @@ def _per_col(p: Any, j: int | None) -> Any:
     return p
 
 
-def r_bucketize(a: "ColumnAnalyzer", n: Node):
+def r_bucketize(a: ColumnAnalyzer, n: Node):
     x, b = a.val(n.args[0]), a.val(n.args[1])
     right = bool(n.kwargs.get("right", False))
     if n.kwargs.get("out_int32", False) or not isinstance(b, Const) or b.tensor.dim() != 1:
@@ -177,7 +200,7 @@ def r_not(a, n):
     return _map(x, lambda c, j: replace(c, keep=c.keep.complement()) if isinstance(c, Cond) else None)
 
 
-def _select_step(a: "ColumnAnalyzer", cond: Cond, s: Stream, value: Any, keep_when_true: bool):
+def _select_step(a: ColumnAnalyzer, cond: Cond, s: Stream, value: Any, keep_when_true: bool):
     """where(cond, s, value) (keep_when_true) or where(cond, value, s) as one step on s."""
     v = a.scalar(value)
     if not isinstance(v, int):
@@ -208,7 +231,7 @@ def r_where(a, n):
         if not isinstance(c, Grid) or len(c.cols) != len(stream.cols) or c.faxis != stream.faxis:
             return None
         cols = tuple(_select_step(a, cc, s, _per_col(other, j), keep_true)
-                     for j, (cc, s) in enumerate(zip(c.cols, stream.cols)))
+                     for j, (cc, s) in enumerate(zip(c.cols, stream.cols, strict=True)))
         return None if any(v is None for v in cols) else Grid(cols, stream.faxis)
     return _select_step(a, c, stream, other, keep_true)
 
@@ -218,7 +241,8 @@ def r_masked_fill(a, n):
     if isinstance(x, Grid):
         if not isinstance(mask, Grid) or len(mask.cols) != len(x.cols) or mask.faxis != x.faxis:
             return None
-        cols = tuple(_select_step(a, m, s, _per_col(value, j), False) for j, (m, s) in enumerate(zip(mask.cols, x.cols)))
+        cols = tuple(_select_step(a, m, s, _per_col(value, j), False)
+                     for j, (m, s) in enumerate(zip(mask.cols, x.cols, strict=True)))
         return None if any(v is None for v in cols) else Grid(cols, x.faxis)
     return _select_step(a, mask, x, value, False)
 
@@ -250,7 +274,8 @@ def r_cast(a, n):
         return x  # widening keeps every value
     if src_dtype == dtype:
         return x
-    if src_dtype.is_floating_point and dtype.is_floating_point and torch.finfo(dtype).bits >= torch.finfo(src_dtype).bits:
+    if src_dtype.is_floating_point and dtype.is_floating_point \
+            and torch.finfo(dtype).bits >= torch.finfo(src_dtype).bits:
         return x
     return None
 
@@ -292,7 +317,8 @@ def r_slice(a, n):
     in_shape, out_shape = a.shape(n.args[0]), a.shape(n)
     start = n.args[2] if len(n.args) > 2 else 0
     step = n.args[4] if len(n.args) > 4 else 1
-    if start in (0, None) and step == 1 and all(a.ss.prove_equal(p, q) for p, q in zip(in_shape, out_shape)):
+    if start in (0, None) and step == 1 \
+            and all(a.ss.prove_equal(p, q) for p, q in zip(in_shape, out_shape, strict=True)):
         return x  # the whole dim: a no-op
     return None
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch._dynamo.config as dynamo_config
+import torch.fx.config as fx_plain_config  # a plain module: no patch()
 import torch.fx.experimental._config as fx_config
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -109,8 +110,6 @@ def auto_dynamic_shapes(args: tuple, batch: int) -> Any:
 
 @contextmanager
 def _without_stack_traces() -> Iterator[None]:
-    import torch.fx.config as fx_plain_config  # a plain module: no patch()
-
     before = fx_plain_config.do_not_emit_stack_traces
     fx_plain_config.do_not_emit_stack_traces = True
     try:
@@ -154,7 +153,7 @@ def capture(module: nn.Module, example_inputs: Sequence[Any], dynamic_batch: boo
             dims[name] = str(val.shape[0].node.expr)
     leaves = pytree.tree_leaves(args)
     batch_symbol = None
-    for name, leaf in zip(names, leaves):
+    for name, leaf in zip(names, leaves, strict=False):
         if name in dims and isinstance(leaf, torch.Tensor) and leaf.shape[0] == batch_used:
             batch_symbol = dims[name]
             break

@@ -16,8 +16,9 @@ workspace from upper bounds with no device-to-host sync.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import symengine as se
 import torch
@@ -360,7 +361,7 @@ def _index(ctx, node):
     dtype = idx.meta["val"].dtype
     if dtype == torch.bool:
         mask = ctx.shape_of(idx)
-        for a, b in zip(mask, src):
+        for a, b in zip(mask, src, strict=False):
             ctx.unify(a, b, node)
         bound = se.Integer(1)
         for d in mask:
@@ -409,7 +410,7 @@ def _stack(ctx, node):
     shapes = [ctx.shape_of(t) for t in node.args[0]]
     dim = node.args[1] if len(node.args) > 1 else 0
     for s in shapes[1:]:
-        for a, b in zip(shapes[0], s):
+        for a, b in zip(shapes[0], s, strict=True):
             ctx.unify(a, b, node)
     out = [ctx.canon(d) for d in shapes[0]]
     out.insert(_norm_dim(dim, len(out) + 1), se.Integer(len(shapes)))

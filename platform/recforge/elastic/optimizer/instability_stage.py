@@ -1,0 +1,155 @@
+"""Stage 3 of DLRover-RM, instability handling: a straggler (step time > 2x the median of the other
+workers) is relaunched elsewhere; a hot server (CPU >= 0.9 over the last 3 samples, or shard load > 2x
+the median) gets more cores; predicted memory exhaustion or an OOM relaunches with more memory (double,
+at most +8 GiB a step, 64 GiB cap); a job pending past `pending_timeout_s` is relaunched smaller. Each
+decision is an `Event`; nothing here executes a plan."""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import replace
+
+from recforge.elastic.optimizer.events import Event
+from recforge.elastic.optimizer.memory_model import GiB, MemoryModel, MemoryTrend, embedding_shard_bytes, next_memory
+from recforge.elastic.optimizer.observation import Observation
+from recforge.elastic.optimizer.plans import JobDescription, JobLimits, OptimizerConfig, PodPlan
+from recforge.elastic.optimizer.search import job_steps
+
+
+class InstabilityStage:
+    """Stage 3: stragglers, hot servers / shards, memory exhaustion, pending pods."""
+
+    def __init__(self, job: JobDescription, limits: JobLimits, cfg: OptimizerConfig = OptimizerConfig(),
+                 memory: MemoryModel | None = None) -> None:
+        self.job, self.limits, self.cfg, self.memory = job, limits, cfg, memory
+        self.trends: dict[tuple[str, int], MemoryTrend] = {}
+        self.pending_relaunches = 0
+        self.last_migration_s: float | None = None
+
+    def observe(self, obs: Observation) -> list[Event]:
+        events: list[Event] = []
+        plan = obs.plan
+        # pending pods: nothing else matters until the job runs
+        if obs.pending_s > self.cfg.pending_timeout_s:
+            smaller = self._smaller(plan) if self.pending_relaunches < self.cfg.max_pending_relaunches else plan
+            if smaller != plan:
+                self.pending_relaunches += 1
+                return [Event("instability", "relaunch_smaller",
+                              f"pending {obs.pending_s:.0f}s > {self.cfg.pending_timeout_s:.0f}s: relaunch with half the resources",
+                              inputs={"pending_s": obs.pending_s}, prediction={},
+                              plan_before=plan.to_dict(), plan_after=smaller.to_dict(), time_s=obs.time_s)]
+            return [Event("instability", "hold", f"pending {obs.pending_s:.0f}s; the plan is minimal or was already "
+                          f"relaunched smaller {self.pending_relaunches} time(s) (max {self.cfg.max_pending_relaunches})",
+                          inputs={"pending_s": obs.pending_s}, plan_before=plan.to_dict(), time_s=obs.time_s)]
+        if obs.pending_s > 0:
+            return []
+        # memory: an OOM that happened, or one the trend / model predicts before the job ends
+        need = self._memory_need(obs)
+        if need is not None:
+            events.append(need)
+            plan = PodPlan.from_dict(need.plan_after)
+        # stragglers
+        times = [t for t in obs.worker_step_s if t and t > 0]
+        if len(times) >= 2:
+            med = statistics.median(times)
+            # against the median of the *other* workers: with two workers the median of all is their mean,
+            # which no step time can exceed twice
+            slow = [i for i, t in enumerate(obs.worker_step_s) if t and t > self.cfg.straggler_factor * statistics.median(
+                [u for j, u in enumerate(obs.worker_step_s) if j != i and u and u > 0] or [t])]
+            if slow:
+                events.append(Event("instability", "replace_straggler",
+                                    f"worker(s) {slow} step time > {self.cfg.straggler_factor}x the median of the other "
+                                    f"workers (all: {med:.3g}s): relaunch them on other nodes",
+                                    inputs={"worker_step_s": list(obs.worker_step_s), "median_s": med},
+                                    prediction={"samples_per_s_recovered_fraction": len(slow) / len(times)},
+                                    plan_before=plan.to_dict(), plan_after=plan.to_dict(), time_s=obs.time_s))
+        # hot servers / shards
+        hot = []
+        for i, util in enumerate(obs.server_cpu_util):
+            recent = list(util)[-self.cfg.hot_samples:]
+            if len(recent) >= self.cfg.hot_samples and statistics.fmean(recent) >= self.cfg.hot_cpu_util:
+                hot.append(i)
+        loads = [x for x in obs.shard_load if x is not None]
+        hot_shards = []
+        if len(loads) >= 2:
+            med = statistics.median(loads)
+            hot_shards = [i for i, x in enumerate(obs.shard_load) if med > 0 and x > self.cfg.hot_shard_factor * med]
+        paced = self.last_migration_s is not None and obs.time_s - self.last_migration_s < self.cfg.server_interval_s
+        if (hot or hot_shards) and plan.servers > 0 and not paced:
+            self.last_migration_s = obs.time_s
+            more = min(plan.cpu_per_server * 2, self.limits.max_cpu_per_server)
+            new = replace(plan, cpu_per_server=more)
+            if not self.limits.fits(new):
+                new = plan
+            events.append(Event("instability", "migrate_hot_server",
+                                f"server(s) {sorted(set(hot + hot_shards))} hot (CPU >= {self.cfg.hot_cpu_util} over "
+                                f"{self.cfg.hot_samples} samples, or load > {self.cfg.hot_shard_factor}x median): migrate to a pod "
+                                f"with {more:g} cores" + ("" if new != plan else " (limits allow no more: migrate only)"),
+                                inputs={"server_cpu_util": [list(u) for u in obs.server_cpu_util], "shard_load": list(obs.shard_load)},
+                                prediction={}, plan_before=plan.to_dict(), plan_after=new.to_dict(), time_s=obs.time_s))
+        elif hot_shards and not paced:
+            self.last_migration_s = obs.time_s
+            events.append(Event("instability", "rebalance_hot_shard",
+                                f"embedding shard(s) {hot_shards} carry > {self.cfg.hot_shard_factor}x the median load: reshard",
+                                inputs={"shard_load": list(obs.shard_load)}, plan_before=plan.to_dict(),
+                                plan_after=plan.to_dict(), time_s=obs.time_s))
+        return events
+
+    def _smaller(self, plan: PodPlan) -> PodPlan:
+        lim, floor = self.limits, self.limits.min_memory_per_pod
+        if plan.workers > 1:
+            return replace(plan, workers=max(1, plan.workers // 2))
+        if plan.cpu_per_worker > lim.min_cpu_per_worker:
+            return replace(plan, cpu_per_worker=max(lim.min_cpu_per_worker, math.floor(plan.cpu_per_worker / 2)),
+                           memory_per_worker=max(floor, plan.memory_per_worker / 2))
+        return plan
+
+    def _memory_need(self, obs: Observation) -> Event | None:
+        """Workers and servers alike: an OOM that happened, or one the trend / model predicts before the end."""
+        plan, cfg = obs.plan, self.cfg
+        total = obs.total_steps if obs.total_steps is not None else job_steps(self.job, plan)
+        remaining = max(total - obs.step, 0.0)
+        groups = [("worker", "memory_per_worker", obs.worker_memory, obs.oom_workers)]
+        if plan.servers > 0:
+            groups.append(("server", "memory_per_server", obs.server_memory, obs.oom_servers))
+        for group, _, rss_list, _ in groups:
+            for i, rss in enumerate(rss_list):
+                self.trends.setdefault((group, i), MemoryTrend()).add(obs.step, rss)
+        for group, field_name, rss_list, oom in groups:
+            limit = getattr(plan, field_name)
+            reason, predicted = None, None
+            hit = sorted(int(i) for i in oom)
+            if hit:
+                reason = f"{group}(s) {hit} ran out of memory at {limit / GiB:.2f} GiB"
+                predicted = max(list(rss_list) + [limit]) * cfg.memory_margin
+            else:
+                for i in range(len(rss_list)):
+                    tr = self.trends[(group, i)]
+                    steps_left = tr.steps_to_exhaustion(limit)
+                    if steps_left < remaining:
+                        predicted = tr.predicted_at(total)
+                        reason = (f"{group} {i} memory trend ({tr.slope():.3g} B/step) reaches its {limit / GiB:.2f} GiB "
+                                  f"limit in {steps_left:.0f} steps, before the {remaining:.0f} steps left")
+                        break
+                if (reason is None and group == "worker" and self.memory is not None and self.job.table_bytes
+                        and not self.job.parameter_server):
+                    shard = embedding_shard_bytes(self.job.table_bytes, plan.workers)
+                    if self.memory.will_oom(limit, shard, total / plan.workers):
+                        predicted = self.memory.predict(shard, total / plan.workers)
+                        reason = f"memory model predicts {predicted / GiB:.2f} GiB by step {total:.0f} > limit {limit / GiB:.2f} GiB"
+            if reason is None:
+                continue
+            new_mem = next_memory(limit, needed_bytes=(predicted or 0) * cfg.memory_margin, max_step_bytes=cfg.oom_step_bytes,
+                                  cap_bytes=min(cfg.memory_cap_bytes, self.limits.max_memory_per_pod))
+            new = replace(plan, **{field_name: new_mem})
+            inputs = {f"{group}_memory": list(rss_list), "step": obs.step, "total_steps": total, "limit_bytes": limit}
+            # DLRover: an OOM relaunch is bounded per pod (+8 GiB a step, 64 GiB), not by the job's scaling limits
+            if new_mem <= limit:
+                return Event("instability", "memory_at_limit", reason + "; the pod is at the memory cap",
+                             inputs=inputs, prediction={"peak_bytes": predicted},
+                             plan_before=plan.to_dict(), plan_after=plan.to_dict(), time_s=obs.time_s)
+            return Event("instability", f"relaunch_{group}s_more_memory",
+                         reason + f": relaunch with {new_mem / GiB:.2f} GiB (double, at most +{cfg.oom_step_bytes / GiB:.0f} GiB)",
+                         inputs=inputs, prediction={"peak_bytes": predicted}, plan_before=plan.to_dict(),
+                         plan_after=new.to_dict(), time_s=obs.time_s)
+        return None

@@ -1,0 +1,141 @@
+"""The greedy marginal-gain search that stages 1 and 2 share (DLRover-RM): from a plan, take the unit
+move with the best predicted throughput gain per unit of added cost while the marginal ratio
+(dTheta/dcost) / (Theta/cost) holds, or give back units whose removal costs little; `clamp` fits a plan
+into the job's limits."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from recforge.elastic.optimizer.memory_model import GiB, MemoryModel, embedding_shard_bytes
+from recforge.elastic.optimizer.plans import JobDescription, JobLimits, OptimizerConfig, PodPlan, ResourceLimitError
+from recforge.elastic.optimizer.throughput_model import ThroughputModel
+
+
+@dataclass
+class Move:
+    """One unit change of a plan with its predicted effect."""
+
+    action: str
+    plan: PodPlan
+    gain: float        # predicted samples/s change (negative for a shrink)
+    cost: float        # added core-equivalents (negative for a shrink)
+    ratio: float       # (gain / cost) / (throughput / total cost)
+
+
+def plan_cost(plan: PodPlan, cfg: OptimizerConfig) -> float:
+    """The plan's cost in core-equivalents (memory counted as `cfg.gib_per_core` GiB per core)."""
+    return plan.cpu_total + plan.memory_total / GiB / cfg.gib_per_core
+
+
+def candidates(plan: PodPlan, grow: bool, ps: bool) -> list[tuple[str, PodPlan]]:
+    """The unit moves from `plan` (add or remove one worker, server or core per pod), named by action."""
+    d = 1 if grow else -1
+    verb = "add" if grow else "remove"
+    changes = [("worker", {"workers": plan.workers + d}), ("cpu_per_worker", {"cpu_per_worker": plan.cpu_per_worker + d})]
+    if ps:
+        changes += [("server", {"servers": plan.servers + d}), ("cpu_per_server", {"cpu_per_server": plan.cpu_per_server + d})]
+    out = []
+    for name, change in changes:
+        if min(change.values()) < 1:
+            continue
+        out.append((f"{verb}_{name}", replace(plan, **change)))
+    return out
+
+
+def memory_for(plan: PodPlan, job: JobDescription, mem: MemoryModel, cfg: OptimizerConfig, floor: float) -> PodPlan:
+    """Worker memory follows the worker count: the embedding shard shrinks as workers are added."""
+    if job.parameter_server or not job.table_bytes:
+        return plan
+    need = mem.required_bytes(embedding_shard_bytes(job.table_bytes, plan.workers),
+                              job_steps(job, plan) / plan.workers, cfg.memory_margin)  # the memory model counts per-worker steps
+    return replace(plan, memory_per_worker=max(floor, need))
+
+
+def job_steps(job: JobDescription, plan: PodPlan) -> float:
+    """The job's total in batches of the whole job (Observation.step counts these), whatever the worker count."""
+    return job.total_samples / max(plan.batch_size, 1)
+
+
+def best_moves(plan: PodPlan, model: ThroughputModel, limits: JobLimits, cfg: OptimizerConfig, job: JobDescription,
+               mem: MemoryModel | None = None, *, allow_servers: bool = True,
+               frozen: frozenset[str] = frozenset()) -> tuple[Move | None, Move | None]:
+    """The best growing move and the cheapest shrinking move (by predicted marginal ratio); actions in
+    `frozen` are not considered."""
+    host = job.host_cores
+    cands: list[tuple[bool, str, PodPlan]] = []
+    for is_grow in (True, False):
+        for action, p in candidates(plan, is_grow, job.parameter_server and allow_servers):
+            if action in frozen:
+                continue
+            if mem is not None:
+                p = memory_for(p, job, mem, cfg, limits.min_memory_per_pod)
+            if is_grow and not limits.fits(p):
+                continue
+            cands.append((is_grow, action, p))
+    thr = model.predict([plan.allocation(host)] + [p.allocation(host) for _, _, p in cands])
+    base, base_cost = float(thr[0]), plan_cost(plan, cfg)
+    avg = base / base_cost
+    grow, shrink = None, None
+    for (is_grow, action, p), t in zip(cands, thr[1:]):
+        gain = float(t) - base
+        cost = plan_cost(p, cfg) - base_cost
+        if cost == 0:
+            continue
+        # for a shrink gain<0 and cost<0: the ratio is the throughput lost per unit saved
+        ratio = (gain / cost) / avg if avg > 0 else 0.0
+        mv = Move(action, p, gain, cost, ratio)
+        if is_grow and (grow is None or ratio > grow.ratio):
+            grow = mv
+        if not is_grow and (shrink is None or ratio < shrink.ratio):
+            shrink = mv
+    return grow, shrink
+
+
+def search(plan: PodPlan, model: ThroughputModel, limits: JobLimits, cfg: OptimizerConfig, job: JobDescription,
+           mem: MemoryModel | None = None, *, max_units: int | None = None, allow_servers: bool = True,
+           frozen: frozenset[str] = frozenset()) -> tuple[PodPlan, list[Move]]:
+    """Greedy marginal-gain search from `plan`: grow while the ratio holds, else shrink while it is cheap."""
+    moves: list[Move] = []
+    limit = max_units if max_units is not None else 10_000
+    while len(moves) < limit:
+        grow, shrink = best_moves(plan, model, limits, cfg, job, mem, allow_servers=allow_servers, frozen=frozen)
+        if grow is not None and grow.ratio >= cfg.min_gain_ratio and grow.gain > 0:
+            if moves and moves[-1].action.startswith("remove"):
+                break  # never undo a shrink in the same search
+            moves.append(grow)
+            plan = grow.plan
+        elif shrink is not None and shrink.ratio < cfg.shrink_ratio and (not moves or moves[-1].action.startswith("remove")):
+            moves.append(shrink)
+            plan = shrink.plan
+        else:
+            break
+    return plan, moves
+
+
+def clamp(plan: PodPlan, limits: JobLimits) -> PodPlan:
+    """The largest plan like `plan` that fits the limits: fewer cores per worker, then fewer workers."""
+    limits.check()
+    cpu = min(max(plan.cpu_per_worker, limits.min_cpu_per_worker), limits.max_cpu_per_worker)
+    mem = min(max(plan.memory_per_worker, limits.min_memory_per_pod), limits.max_memory_per_pod)
+    p = replace(plan, cpu_per_worker=cpu, memory_per_worker=mem, workers=min(plan.workers, limits.max_workers),
+                servers=min(plan.servers, limits.max_servers),
+                cpu_per_server=min(plan.cpu_per_server, limits.max_cpu_per_server),
+                memory_per_server=min(plan.memory_per_server, limits.max_memory_per_pod))
+    while not limits.fits(p):
+        if p.servers > 1 and p.servers * p.cpu_per_server > p.workers * p.cpu_per_worker:
+            p = replace(p, servers=p.servers - 1)
+        elif p.workers > 1:
+            p = replace(p, workers=p.workers - 1)
+        elif p.cpu_per_worker > limits.min_cpu_per_worker:
+            p = replace(p, cpu_per_worker=max(limits.min_cpu_per_worker, min(p.cpu_per_worker - 1, limits.cpu)))
+        elif p.memory_per_worker > limits.min_memory_per_pod:
+            p = replace(p, memory_per_worker=max(limits.min_memory_per_pod, min(limits.memory, p.memory_per_worker / 2)))
+        elif p.servers > 1:
+            p = replace(p, servers=p.servers - 1)
+        elif p.cpu_per_server > 1:
+            p = replace(p, cpu_per_server=p.cpu_per_server - 1)
+        elif p.memory_per_server > limits.min_memory_per_pod:
+            p = replace(p, memory_per_server=max(limits.min_memory_per_pod, p.memory_per_server / 2))
+        else:
+            raise ResourceLimitError(f"limits {limits} cannot hold the minimal plan {p.to_dict()}")
+    return p

@@ -1,0 +1,212 @@
+"""Stage 1 of DLRover-RM, the warm start: the plans and fitted models of similar past jobs (same dataset
+and model family) give the initial plan: the greedy search run on the history's model from the median
+of their final plans, or that median alone when no model is usable; with no history, the requested
+plan (cold start), with what a default model would have chosen as a hint."""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from recforge.elastic.optimizer.events import Event
+from recforge.elastic.optimizer.history import History, JobRecord
+from recforge.elastic.optimizer.memory_model import DEFAULT_MEMORY_MODEL, MemoryModel
+from recforge.elastic.optimizer.plans import JobDescription, JobLimits, OptimizerConfig, PodPlan, ResourceLimitError
+from recforge.elastic.optimizer.search import clamp, memory_for, search
+from recforge.elastic.optimizer.throughput_model import (
+    Allocation,
+    Sample,
+    ThroughputModel,
+    fit,
+    fit_profile,
+    load_profile,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _memory_from_history(plan: PodPlan, records: Sequence[JobRecord], mems: Sequence[MemoryModel],
+                         cfg: OptimizerConfig, limits: JobLimits) -> PodPlan:
+    """DLRover: pod memory = the largest peak similar jobs used x margin (servers from extra["peak_server_memory"])."""
+    peaks = [r.peak_memory_bytes for r in records if r.peak_memory_bytes]
+    if peaks and not mems:
+        plan = replace(plan, memory_per_worker=max(peaks) * cfg.memory_margin)
+    # a server's share of the embeddings scales with 1/servers: convert each job's peak to this plan's count
+    server_need = [r.extra["peak_server_memory"] * max(int(r.final_plan.get("servers", 1) or 1), 1) / max(plan.servers, 1)
+                   for r in records if r.extra.get("peak_server_memory")]
+    if server_need and plan.servers > 0:
+        total = max(server_need) * plan.servers * cfg.memory_margin
+        servers = max(plan.servers, math.ceil(total / limits.max_memory_per_pod))  # spread what one pod cannot hold
+        plan = replace(plan, servers=min(servers, limits.max_servers), memory_per_server=total / min(servers, limits.max_servers))
+    return plan
+
+
+def combine_models(models: Sequence[ThroughputModel]) -> ThroughputModel:
+    """Coefficient-wise median over the models of the most common term set."""
+    by_terms: dict[tuple, list[ThroughputModel]] = {}
+    for m in models:
+        by_terms.setdefault(tuple(m.terms), []).append(m)
+    terms, group = max(by_terms.items(), key=lambda kv: len(kv[1]))
+    coef = [statistics.median(m.coef[i] for m in group) for i in range(len(terms))]
+    return ThroughputModel(terms, coef, fit_mape=statistics.median(m.fit_mape for m in group if not math.isnan(m.fit_mape)) if any(not math.isnan(m.fit_mape) for m in group) else float("nan"),
+                           n_points=sum(m.n_points for m in group), meta={"source": f"median of {len(group)} history models"})
+
+
+@dataclass
+class WarmStart:
+    """Stage 1's outcome: the initial plan, its events, the prior model for stage 2, the memory model."""
+
+    plan: PodPlan
+    events: list[Event]
+    prior: ThroughputModel | None
+    memory: MemoryModel
+    records: list[JobRecord] = field(default_factory=list)
+
+
+def warm_start(job: JobDescription, history: History | None, limits: JobLimits,
+               cfg: OptimizerConfig = OptimizerConfig(), default_model: ThroughputModel | None = None) -> WarmStart:
+    """Stage 1: the initial plan from similar past jobs (see the module docstring); never raises except
+    for limits that cannot hold one worker (ResourceLimitError)."""
+    limits.check()
+    events: list[Event] = []
+    records: list[JobRecord] = []
+    problems: list[str] = []
+    if history is not None:
+        try:
+            records = list(history.similar(job.dataset, job.model_family))
+        except Exception as e:  # a broken history store must not stop a job from starting
+            problems.append(f"history lookup failed: {e!r}")
+        problems.extend(getattr(history, "problems", []) or [])
+    inputs = {"dataset": job.dataset, "model_family": job.model_family, "requested": job.requested.to_dict(),
+              "limits": limits.__dict__, "similar_jobs": len(records), "history_problems": problems[:20]}
+    models = [r.model for r in records if r.model is not None]
+    mems = [r.memory for r in records if r.memory is not None]
+    memory = mems[0] if mems else DEFAULT_MEMORY_MODEL
+    requested = clamp(job.requested, limits)
+
+    try:
+        return _warm_from_history(job, limits, cfg, default_model, records, models, mems, memory, requested, inputs, events)
+    except ResourceLimitError:
+        raise
+    except Exception as e:  # never crash inside the optimizer: fall back to the requested plan, say why
+        events.append(Event("warm_start", "fallback", f"warm start from history failed ({type(e).__name__}: {e}); "
+                            "cold start with the requested plan", inputs=inputs, plan_before=job.requested.to_dict(),
+                            plan_after=requested.to_dict()))
+        return WarmStart(requested, events, default_model, memory, records)
+
+
+def history_points(records: Sequence[JobRecord]) -> list[Sample]:
+    """Measured (allocation, samples/s) points that past runs left in extra["points"]; malformed ones are skipped."""
+    out = []
+    for r in records:
+        for p in (r.extra or {}).get("points", []) or []:
+            try:
+                s = Sample(Allocation.from_dict(p["allocation"]), float(p["samples_per_s"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+            if s.samples_per_s > 0 and math.isfinite(s.samples_per_s):
+                out.append(s)
+    return out
+
+
+def _refit_on_history(records, prior: ThroughputModel | None) -> tuple[ThroughputModel | None, str]:
+    """Past runs of similar jobs at different plans are profile points of the same model: fit them together."""
+    pts = history_points(records)
+    configs = {(s.allocation.workers, s.allocation.cpu_per_worker, s.allocation.batch_size, s.allocation.servers,
+                s.allocation.cpu_per_server) for s in pts}
+    if prior is None or len(configs) < 3:
+        return prior, ""
+    try:
+        m = fit(pts, prior.terms, prior=prior, prior_strength=0.3)
+    except Exception as e:  # keep the prior; say why
+        return prior, f"; refit on {len(pts)} history points failed ({e!r})"
+    m.meta = {"source": f"refit on {len(pts)} points of {len(records)} similar runs ({len(configs)} configurations)"}
+    return m, f"; refitted on {len(pts)} measured points of past runs ({len(configs)} configurations), MAPE {m.fit_mape:.1%}"
+
+
+def _median_plan(requested: PodPlan, records: Sequence[JobRecord], job: JobDescription) -> PodPlan | None:
+    """The median of the final plans of similar jobs (memory: the largest), or None without any valid plan."""
+    finals = []
+    for r in records:
+        try:
+            finals.append(PodPlan.from_dict(r.final_plan))
+        except (TypeError, ValueError):
+            pass  # an incomplete plan in a record: skip it
+    if not finals:
+        return None
+    plan = replace(requested, workers=max(1, int(round(statistics.median(p.workers for p in finals)))),
+                   cpu_per_worker=float(statistics.median(p.cpu_per_worker for p in finals)),
+                   memory_per_worker=float(max(p.memory_per_worker for p in finals)))
+    if job.parameter_server:
+        plan = replace(plan, servers=max(1, int(round(statistics.median(p.servers for p in finals)))),
+                       cpu_per_server=float(statistics.median(p.cpu_per_server for p in finals)),
+                       memory_per_server=float(max(p.memory_per_server for p in finals)))
+    return plan
+
+
+def _warm_from_history(job, limits, cfg, default_model, records, models, mems, memory, requested, inputs, events) -> WarmStart:
+    if models:
+        prior, refit_note = _refit_on_history(records, combine_models(models))
+        # DLRover predicts a plan close to the final one: start from where similar jobs ended (their median
+        # final plan), and let the greedy search move from there, growing or shrinking
+        start = _median_plan(requested, records, job) or replace(
+            requested, workers=1, cpu_per_worker=limits.min_cpu_per_worker, servers=1 if job.parameter_server else 0,
+            cpu_per_server=limits.min_cpu_per_worker if job.parameter_server else 0.0)
+        start = clamp(memory_for(start, job, memory, cfg, limits.min_memory_per_pod), limits)
+        plan, moves = search(start, prior, limits, cfg, job, memory if mems else None)
+        plan = _memory_from_history(plan, records, mems, cfg, limits)
+        plan = clamp(plan, limits)
+        pred = prior.predict(plan.allocation(job.host_cores))
+        events.append(Event("warm_start", "initial_plan",
+                            f"{len(models)} similar job(s) with a fitted model: greedy search on their median model{refit_note} "
+                            f"({len(moves)} unit moves from their median final plan, stopped at marginal ratio < {cfg.min_gain_ratio})",
+                            inputs={**inputs, "model": prior.to_dict()},
+                            prediction={"samples_per_s": pred,
+                                        "requested_samples_per_s": prior.predict(requested.allocation(job.host_cores))},
+                            plan_before=job.requested.to_dict(), plan_after=plan.to_dict()))
+        return WarmStart(plan, events, prior, memory, records)
+
+    plan = _median_plan(requested, records, job)
+    if plan is not None:
+        plan = clamp(_memory_from_history(plan, records, mems, cfg, limits), limits)
+        events.append(Event("warm_start", "initial_plan",
+                            f"{len(records)} similar job(s) but no usable fitted model: median of their final plans",
+                            inputs=inputs, prediction={}, plan_before=job.requested.to_dict(), plan_after=plan.to_dict()))
+        return WarmStart(plan, events, default_model, memory, records)
+
+    reason = "no similar job in history: cold start with the requested plan (clamped to the limits)"
+    if requested != job.requested:
+        reason += f"; clamped from {job.requested.workers}x{job.requested.cpu_per_worker} cores"
+    prediction: dict[str, Any] = {}
+    if default_model is not None:  # what the default model expects, and what it would have chosen (a hint only)
+        try:
+            hint, _ = search(replace(requested, workers=1, cpu_per_worker=limits.min_cpu_per_worker), default_model,
+                             limits, cfg, job)
+            prediction = {"samples_per_s": default_model.predict(requested.allocation(job.host_cores)),
+                          "default_model_suggests": hint.to_dict(),
+                          "suggested_samples_per_s": default_model.predict(hint.allocation(job.host_cores)),
+                          "default_model": default_model.to_dict()}
+        except Exception as e:
+            prediction = {"default_model_error": repr(e)}
+    events.append(Event("warm_start", "cold_start", reason, inputs=inputs, prediction=prediction,
+                        plan_before=job.requested.to_dict(), plan_after=requested.to_dict()))
+    return WarmStart(requested, events, default_model, memory, records)
+
+
+_LOCAL_MODEL: list = []
+
+
+def local_default_model() -> ThroughputModel | None:
+    """Our trainer's model fitted on the committed profile (elastic/optimizer/profiles/), the cold-start prior for
+    the local backend; None (and a logged warning) when the profile is missing or cannot be fitted."""
+    if not _LOCAL_MODEL:
+        try:
+            samples, _ = load_profile()
+            _LOCAL_MODEL.append(fit_profile(samples).model)
+        except Exception as e:  # documented fallback: no prior, the requested plan
+            log.warning("no default resource model for the local trainer (%r): cold starts use the request", e)
+            _LOCAL_MODEL.append(None)
+    return _LOCAL_MODEL[0]

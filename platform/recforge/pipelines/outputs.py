@@ -1,0 +1,262 @@
+"""What each pipeline stage records in `<run>/<stage>/outputs.json`, one pydantic model per stage.
+
+A stage returns its model; `StageWriter.commit` writes it and `RunContext.read(Model)` reads it back, validated,
+so later stages, the CLI and the UI use attributes rather than string keys. Pure pydantic: imported by the UI and
+the DAG-parse path, so nothing heavy here.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class Record(BaseModel):
+    """Base of the records below: unknown fields are errors; NaN / Infinity are written as json.dumps writes them."""
+
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
+
+
+class StageOutputs(Record):
+    """Base of every stage's outputs: `stage` names the directory, `mlflow_run_id` is filled in by run_stage."""
+
+    stage: ClassVar[str]
+
+    mlflow_run_id: str | None = Field(None, description="the stage's MLflow child run")
+
+
+# --- generate / ingest ------------------------------------------------------------------------------------------
+class GenerateOutputs(StageOutputs):
+    stage: ClassVar[str] = "generate"
+
+    files: list[str] = Field(description="raw day files: the training days, then the held-out day")
+    synthetic: bool = Field(description="generated here (True) or the user's source_dir (False)")
+    bayes_auc: list[float] | None = Field(None, description="synthetic only: Bayes-optimal AUC per day")
+    positive_rate: list[float] | None = Field(None, description="synthetic only: share of positive labels per day")
+
+
+class SplitOutputs(Record):
+    """One ingested split: its Parquet shards and what validation kept."""
+
+    manifest_dir: str = Field(description="directory holding the split's manifest.json")
+    rows: int = Field(ge=0, description="rows kept")
+    quarantined: int = Field(ge=0, description="rows rejected by validation")
+    shards: int = Field(ge=0)
+
+
+class IngestOutputs(StageOutputs):
+    stage: ClassVar[str] = "ingest"
+
+    train: SplitOutputs = Field(description="every day but the last")
+    holdout: SplitOutputs = Field(description="the last day, for evaluate and compile")
+    rows_ingested: int = Field(ge=0)
+    rows_quarantined: int = Field(ge=0)
+
+
+# --- plan_resources ---------------------------------------------------------------------------------------------
+class ProfileSummary(Record):
+    """The RAP stage profile the schedule was planned on (recforge.rap.profiling.profile_job.summary)."""
+
+    key: str
+    origin: str = Field(description="where the profile came from (stored or measured now)")
+    threshold: float
+    stage_ms: dict[str, float]
+    capacity_ms: dict[str, float]
+    seconds: float | None = Field(None, description="time spent profiling, when measured now")
+
+
+class MappingSummary(Record):
+    """RAP's mapping as planned (recforge.pipelines.rap_planning.plan_mapped_schedules, less the file)."""
+
+    placed_by: str
+    placement_kinds: dict[str, int] = Field(description="tables per sharding kind")
+    imbalance_before: float | None = None
+    imbalance_after: float | None = None
+    predicted_iteration_ms: float | None = None
+
+
+class CorunPlan(Record):
+    """preprocessing == "corun": the co-run schedule (and mapping) every worker runs."""
+
+    schedule_path: str
+    source: str | None = Field(None, description="what the schedule was planned from")
+    predicted_iteration_ms: float | None = None
+    threads: int = Field(ge=1, description="intra-op threads of the co-run thread")
+    profile: ProfileSummary | None = None
+    mapping_path: str | None = Field(None, description="RAP mapping file (corun.mapping with 2+ workers)")
+    mapping: MappingSummary | None = None
+
+
+class PlanOutputs(StageOutputs):
+    stage: ClassVar[str] = "plan_resources"
+
+    plan_path: str = Field(description="the preprocessing Plan (JSON) every worker runs")
+    workers: int = Field(ge=1)
+    threads_per_worker: int = Field(ge=1)
+    tables: list[tuple[str, int]] = Field(description="embedding tables as (name, rows)")
+    num_dense: int = Field(ge=0)
+    preprocess_executor: str
+    dlrover: dict[str, Any] | None = Field(
+        None, description="policy 'dlrover': stage 1's state for the train task (DLRoverPolicy.stage1_state)")
+    corun: CorunPlan | None = None
+    # sections of the run page (plugins/README.md) for a stage that records them; none does today
+    rap_schedule: dict[str, Any] | None = Field(None, description="Gantt: {unit, tasks: [{name, lane, start, end}]}")
+    fusion: dict[str, Any] | None = Field(None, description="RAP's CompiledPlan.summary()")
+    resource_decisions: list[dict[str, Any]] | None = Field(None, description="resource events (Event.to_dict)")
+
+
+# --- train / evaluate -------------------------------------------------------------------------------------------
+class PlanRecord(Record):
+    """A resource plan as the job ran it (recforge.elastic.policy.ResourcePlan)."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    workers: int = Field(ge=1)
+    threads_per_worker: int = Field(ge=1)
+
+
+class JobRecord(Record):
+    """What run_training_job returned (recforge.elastic.job.JobResult); `JobRecord.model_validate(result)`."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    exit_code: int
+    plan: PlanRecord
+    finished: bool = Field(description="the master handed out and got back every row of every epoch")
+    tasks_done: int
+    samples: int
+    per_worker: dict[str, dict[str, Any]] = Field(description="the master's statistics per worker")
+    poisoned: list[dict[str, Any]]
+    master_state: dict[str, Any]
+    spec_path: Path | None = None
+    state_file: Path | None = None
+    log_path: Path | None = None
+    attempts: list[dict[str, Any]] = Field(default_factory=list, description="one per launch")
+    restarts: int = 0
+    grad_accumulation: int = 1
+
+
+class ExecutedDecision(Record):
+    stage: str
+    action: str
+    reason: str
+
+
+class DLRoverRun(Record):
+    """policy 'dlrover': what stages 2/3 decided and executed during training (pipelines.train_dlrover.finish)."""
+
+    throughput_by_plan: list[dict[str, Any]] = Field(description="samples/s measured at each plan, in order")
+    final_plan: dict[str, Any]
+    events: int = Field(description="events logged (executed or not)")
+    model_uri: str | None = Field(None, description="the run's resource model, history for the next stage 1")
+    executed: list[ExecutedDecision]
+
+
+class TrainOutputs(StageOutputs):
+    stage: ClassVar[str] = "train"
+
+    checkpoint_dir: str
+    samples_per_s: float
+    steps: int
+    wall_s: float
+    world_size: int
+    samples_trained: list[int] = Field(description="samples per epoch")
+    job: JobRecord
+    dlrover: DLRoverRun | None = None
+    # sections of the run page (plugins/README.md) for a stage that records them; none does today
+    rap_schedule: dict[str, Any] | None = Field(None, description="Gantt: {unit, tasks: [{name, lane, start, end}]}")
+    resource_decisions: list[dict[str, Any]] | None = Field(None, description="resource events (Event.to_dict)")
+
+
+class EvaluateOutputs(StageOutputs):
+    stage: ClassVar[str] = "evaluate"
+
+    auc: float
+    logloss: float
+    ne: float = Field(description="normalized entropy")
+    rows: int = Field(ge=0, description="held-out rows evaluated")
+    auc_ceiling: float | None = Field(None, description="synthetic data: the held-out day's Bayes AUC")
+
+
+# --- compile / publish ------------------------------------------------------------------------------------------
+class LatencyReport(Record):
+    batch_size: int
+    threads: int
+    eager: dict[str, Any] = Field(description="recforge.recom.report.measure_latency")
+    compiled: dict[str, Any]
+
+
+class CompileReport(Record):
+    """recforge.recom.report.compile_report. Extra fields are kept: RECom adds fields and the page lists them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    backend: str
+    num_columns: int | None = None
+    num_tables: int | None = None
+    ops_eager: int | None = None
+    ops_compiled: int | None = None
+    graph_nodes: int | None = None
+    lookups_eager: int | None = None
+    lookups_compiled: int | None = None
+    heldout_rows: int | None = None
+    max_abs_diff: float
+    atol: float
+    within_tolerance: bool
+    latency: LatencyReport | None = None
+    eager_median_ms: float | None = None
+    compiled_median_ms: float | None = None
+    speedup: float | None = None
+
+    @property
+    def extras(self) -> dict[str, Any]:
+        """Fields this model does not declare (a later report's), in order."""
+        return dict(self.model_extra or {})
+
+
+class CompileOutputs(StageOutputs):
+    stage: ClassVar[str] = "compile"
+
+    artifact: str = Field(description="the compiled inference.pt2")
+    report: CompileReport
+    compiled_version: str | None = Field(None, description="registered <model>-compiled version (None: not registered, "
+                                                           "the compiled model did not match eager)")
+
+
+class PublishOutputs(StageOutputs):
+    stage: ClassVar[str] = "publish"
+
+    model_name: str
+    version: str
+    promoted: bool = Field(description="became the champion")
+    reason: str = Field(description="why it was (not) promoted")
+    pipeline_run_id: str = Field(description="the run's parent MLflow run")
+
+
+STAGE_OUTPUTS: dict[str, type[StageOutputs]] = {
+    m.stage: m for m in (GenerateOutputs, IngestOutputs, PlanOutputs, TrainOutputs, EvaluateOutputs, CompileOutputs,
+                         PublishOutputs)
+}
+
+
+class OutputsError(ValueError):
+    """A stage's outputs.json does not hold its model; the message names the fields."""
+
+
+def problems(e: ValidationError) -> str:
+    """'field.path: message' for every error, '; '-joined."""
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}" for err in e.errors())
+
+
+O = TypeVar("O", bound=StageOutputs)
+
+
+def parse_outputs(model: type[O], data: str | bytes | dict[str, Any], where: str) -> O:
+    """`data` (JSON text or parsed) as `model`, or OutputsError naming `where` and the bad fields."""
+    try:
+        if isinstance(data, dict):
+            return model.model_validate(data)
+        return model.model_validate_json(data)
+    except ValidationError as e:
+        raise OutputsError(f"{where} does not hold {model.__name__}: {problems(e)}") from None

@@ -1,0 +1,103 @@
+"""A job's co-run schedule: RAP's scheduler over the job's stage profile and its timed fused kernels, with the
+simulator's predicted iteration time. Without a profile every kernel runs whole in one stage."""
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from recforge.config import DatasetConfig, ModelConfig
+from recforge.preprocess.executor import make_executor
+from recforge.preprocess.planning.compiler import CompiledPlan, FusedGroup
+from recforge.preprocess.planning.plan import Plan
+from recforge.rap.planning.schedule import CorunSchedule, group_features, restrict, whole_kernel_schedule
+from recforge.rap.planning.scheduler import schedule
+from recforge.rap.planning.simulator import KernelCost, RankStages, SimSetup, simulate
+from recforge.rap.profiling.kernel_timer import GroupTimer, group_timer
+from recforge.rap.profiling.profiler import ProfileKey, ProfileMismatch, StageProfile
+from recforge.train.placement import Placement
+
+log = logging.getLogger(__name__)
+
+
+def plan_schedule(plan: Plan, dataset: DatasetConfig, model: ModelConfig, world_size: int, batch_size: int,
+                  stage: str, profile_dir: str | Path | None, threads: int = 1,
+                  profile: StageProfile | None = None) -> CorunSchedule:
+    """The workers' schedule: RAP's scheduler over `profile` (or the one stored under `profile_dir` for this job),
+    with the simulator's predicted iteration time in its meta; without a profile every kernel in `stage`."""
+    executor = make_executor("fused", plan, dataset)
+    compiled: CompiledPlan = executor.compiled
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # time the kernels with the co-run thread's budget
+    try:
+        cost = group_timer(executor, dataset, batch_size)
+        if profile is None:
+            profile = stored_profile(profile_dir, model, plan, world_size, batch_size)
+        if profile is not None:
+            sched = schedule(compiled, profile.stage_ms, profile.capacity_ms, cost,
+                             meta={"source": f"RAP scheduler over stage profile {profile.key.slug()}",
+                                   "profile": profile.key.slug()})
+            sched.meta["scheduler_iteration_ms"] = sum(profile.stage_ms.values()) + sched.meta["unhidden_ms"]
+            simulated = simulated_iteration_ms(plan, compiled, cost, profile, batch_size)
+            sched.meta["simulated_iteration_ms"] = simulated
+            sched.meta["predicted_iteration_ms"] = simulated["rap"]
+            sched.meta["predicted_by"] = ("recforge.rap.planning.simulator, method rap; every sparse feature "
+                                          "data_parallel (each worker preprocesses its local batch, as the workers "
+                                          "do); no input all-to-all term (not in a single-process profile)")
+            return sched
+        per_group = {g.name: cost(g) for g in compiled.groups}
+        return whole_kernel_schedule(compiled, stage, per_group, meta={
+            "source": f"no stored stage profile: every fused kernel whole in stage {stage!r}",
+            "total_predicted_ms": sum(per_group.values())})
+    finally:
+        torch.set_num_threads(before)
+
+
+def measured_kernel_cost(compiled: CompiledPlan, timer: GroupTimer, batch_size: int) -> KernelCost:
+    """simulator.KernelCost over the workers' fused executor: a group (or one node) of the simulator's own
+    compilation is matched by layer, op, class and features to a part of `compiled`, timed by `timer`
+    (group_timer's, at `batch_size` rows) and scaled linearly to the rows the simulator gives (RAP's scaling)."""
+    owner = {(g.layer, g.op, g.cls, f): g for g in compiled.groups for f in group_features(compiled, g)}
+
+    def cost(sim_compiled: CompiledPlan, group: FusedGroup, rows) -> float:
+        feats = group_features(sim_compiled, group)
+        found = {owner.get((group.layer, group.op, group.cls, f)) for f in feats}
+        if None in found or len(found) != 1:
+            raise ValueError(f"simulator group {group.name} (features {list(feats)}) has no single counterpart among "
+                             f"the executor's fused groups {[g.name for g in compiled.groups]}")
+        part = restrict(compiled, found.pop(), feats)
+        nodes = {n.id: n for n in sim_compiled.graph.nodes}
+        scale = statistics.fmean(rows(nodes[n]) for n in group.nodes) / batch_size
+        return timer(part) * scale
+
+    return cost
+
+
+def simulated_iteration_ms(plan: Plan, compiled: CompiledPlan, timer: GroupTimer, profile: StageProfile,
+                           batch_size: int, placements: Mapping[str, Placement] | None = None,
+                           world_size: int = 1) -> dict[str, float]:
+    """recforge.rap.planning.simulator's iteration time of every method with `profile`'s stages on each of `world_size`
+    workers; without `placements` every table data_parallel (each worker preprocesses its local batch)."""
+    if placements is None:
+        placements = {f: Placement("data_parallel", tuple(range(world_size))) for f in plan.sparse_features()}
+    stages = RankStages(dict(profile.stage_ms), dict(profile.capacity_ms))
+    setup = SimSetup(plan=plan, placements=placements, batch_size=batch_size, ranks=[stages] * world_size,
+                     kernel_cost=measured_kernel_cost(compiled, timer, batch_size), compile_method=compiled.method)
+    return {m: round(r.iteration_ms, 4) for m, r in simulate(setup).methods.items()}
+
+
+def stored_profile(profile_dir: str | Path | None, model: ModelConfig, plan: Plan, world_size: int,
+                   batch_size: int) -> StageProfile | None:
+    """The stage profile stored under `profile_dir` for this job (model, tables, world size, batch size, this
+    machine's device), else None."""
+    if profile_dir is None:
+        return None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return StageProfile.load(profile_dir, ProfileKey.of(model, plan.tables(), world_size, batch_size, device))
+    except ProfileMismatch as e:
+        log.info("co-run schedule without a stage profile: %s", e)
+        return None
