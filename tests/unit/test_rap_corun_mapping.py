@@ -7,8 +7,8 @@ import pytest
 
 from recforge.config import DatasetConfig, DenseFeature, SparseFeature
 from recforge.preprocess.planning.plan import criteo_plan
-from recforge.rap.mapping.worker_mapping import MappingFileError, load_mapping, mapped_jobs, write_mapping
 from recforge.rap.mapping.milp import Placement
+from recforge.rap.mapping.worker_mapping import MappingFileError, load_mapping, mapped_jobs, write_mapping
 from recforge.rap.planning.scheduler import mapped_rank_schedules
 from recforge.rap.profiling.stages import STAGES
 
@@ -99,8 +99,8 @@ def test_bad_files_name_what_is_wrong(tmp_path):
 def test_jobs_must_match_what_the_sharded_model_takes(tmp_path):
     from types import SimpleNamespace
 
-    from recforge.rap.runtime.session import check_jobs_match_sharding
     from recforge.rap.runtime.corun_runtime import CorunConfigError, CorunRuntime
+    from recforge.rap.runtime.session import check_jobs_match_sharding
 
     path = tmp_path / "m.json"
     _write(path)

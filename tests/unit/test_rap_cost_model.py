@@ -7,7 +7,15 @@ import pytest
 
 from recforge.preprocess.planning.compiler import FusedGroup, compile_plan
 from recforge.preprocess.presets import load_plan
-from recforge.rap.profiling.cost_model import CostModel, Measurement, design_row, fit, fit_op, node_widths, predict_group
+from recforge.rap.profiling.cost_model import (
+    CostModel,
+    Measurement,
+    design_row,
+    fit,
+    fit_op,
+    node_widths,
+    predict_group,
+)
 from recforge.rap.profiling.cost_probe import OPS, measure, probe_case, time_group
 
 TRUE = {"logit": [0.01, 0.002, 1e-6, 0.0, 0.0], "sigrid_hash": [0.02, 0.001, 0.0, 3e-6, 2e-6]}

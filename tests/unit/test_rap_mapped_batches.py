@@ -97,9 +97,9 @@ def _worker(rank, port, manifest_dir, out_dir):
 
     from recforge.preprocess.executor import make_executor
     from recforge.rap.mapping.mapped_batches import MappedTaskBatches
+    from recforge.rap.mapping.mapped_input import MappedInput
     from recforge.rap.mapping.milp import from_torchrec, split_rank_plan
     from recforge.rap.runtime.session import CorunSession
-    from recforge.rap.mapping.mapped_input import MappedInput
     from recforge.train.batches import Batch, empty
     from recforge.train.loop import LoopState, train_epoch
 

@@ -55,9 +55,9 @@ def _dmp(placements, rank):
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     from recforge.config import ModelConfig
+    from recforge.train.model import EBC_PATH, build_dlrm
     from recforge.train.placement import Placement
     from recforge.train.sharding import to_torchrec
-    from recforge.train.model import EBC_PATH, build_dlrm
 
     torch.manual_seed(0)
     model = build_dlrm(ModelConfig(arch="dlrm", embedding_dim=DIM, dense_arch=[8, DIM], over_arch=[8, 1]),

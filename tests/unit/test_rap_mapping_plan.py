@@ -9,7 +9,6 @@ import pytest
 from recforge.config import DatasetConfig, DenseFeature, ModelConfig, SparseFeature, TrainConfig
 from recforge.preprocess.planning.compiler import compile_plan
 from recforge.preprocess.planning.plan import Plan
-from recforge.rap.mapping.milp import MappingCosts, MappingError, Placement, TableLoad, candidate_placements, evaluate
 from recforge.rap.mapping.job_mapping import (
     mapping_costs,
     placements_from_json,
@@ -17,6 +16,7 @@ from recforge.rap.mapping.job_mapping import (
     plan_mapping,
     prep_costs,
 )
+from recforge.rap.mapping.milp import MappingCosts, MappingError, Placement, TableLoad, candidate_placements, evaluate
 from recforge.rap.profiling.profiler import ProfileKey, ProfileMismatch, StageProfile
 from recforge.rap.profiling.stages import STAGES
 from recforge.train.sharding import check_placements

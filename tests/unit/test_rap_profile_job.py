@@ -10,6 +10,7 @@ import torch.distributed as dist
 from recforge.config import ModelConfig, PipelineConfig
 from recforge.preprocess.planning.compiler import FusedGroup, compile_plan
 from recforge.rap.planning.job_schedule import measured_kernel_cost, plan_schedule, simulated_iteration_ms
+from recforge.rap.planning.simulator import METHODS
 from recforge.rap.profiling.profile_job import (
     CPU_THRESHOLD,
     MAX_UNITS,
@@ -21,7 +22,6 @@ from recforge.rap.profiling.profile_job import (
     single_rank_group,
 )
 from recforge.rap.profiling.profiler import ProfileKey, StageProfile
-from recforge.rap.planning.simulator import METHODS
 from recforge.rap.profiling.stages import STAGES
 from test_rap_runtime import DS, PLAN, manifest_dir  # noqa: F401 (a fixture)
 

@@ -15,17 +15,17 @@ from recforge.data.generator import generate_days
 from recforge.data.ingest import ingest
 from recforge.elastic.master.tasks import Task
 from recforge.preprocess.columns import BatchError
-from recforge.preprocess.planning.compiler import compile_plan
 from recforge.preprocess.executor import make_executor
+from recforge.preprocess.planning.compiler import compile_plan
 from recforge.preprocess.planning.plan import criteo_plan
 from recforge.preprocess.synth import random_raw_batch
-from recforge.rap.runtime.corun_batches import PreprocessedBatches
-from recforge.rap.runtime.offline import OfflineError, OfflineTaskBatches, preprocess_manifest
-from recforge.rap.runtime.session import CorunSession
 from recforge.rap.mapping.milp import Placement, split_rank_plan
-from recforge.rap.runtime.corun_runtime import CorunConfigError, CorunRuntime
 from recforge.rap.planning.schedule import Assignment, CorunSchedule, ScheduleError, split_units, whole_kernel_schedule
 from recforge.rap.profiling.stages import STAGES, StageTracker
+from recforge.rap.runtime.corun_batches import PreprocessedBatches
+from recforge.rap.runtime.corun_runtime import CorunConfigError, CorunRuntime
+from recforge.rap.runtime.offline import OfflineError, OfflineTaskBatches, preprocess_manifest
+from recforge.rap.runtime.session import CorunSession
 from recforge.train.batches import TaskBatches
 from recforge.train.loop import LoopState, train_epoch
 from recforge.train.model import build_dlrm

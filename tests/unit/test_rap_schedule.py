@@ -7,8 +7,8 @@ import torch
 
 from recforge.config import DatasetConfig, DenseFeature, SparseFeature
 from recforge.preprocess.columns import finish
-from recforge.preprocess.planning.compiler import compile_plan
 from recforge.preprocess.executors.fused import FusedExecutor
+from recforge.preprocess.planning.compiler import compile_plan
 from recforge.preprocess.planning.plan import Plan
 from recforge.preprocess.synth import random_raw_batch
 from recforge.rap.planning.schedule import (

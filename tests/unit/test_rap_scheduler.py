@@ -7,11 +7,18 @@ import random
 import pytest
 
 from recforge.preprocess.planning.compiler import compile_plan
-from recforge.preprocess.presets import load_plan
 from recforge.preprocess.planning.plan import Plan
-from recforge.rap.profiling.cost_model import CostModel
+from recforge.preprocess.presets import load_plan
 from recforge.rap.mapping.milp import Placement
-from recforge.rap.planning.scheduler import group_cost, mapped_rank_schedules, pack, rank_stages, schedule, select_stages
+from recforge.rap.planning.scheduler import (
+    group_cost,
+    mapped_rank_schedules,
+    pack,
+    rank_stages,
+    schedule,
+    select_stages,
+)
+from recforge.rap.profiling.cost_model import CostModel
 from recforge.rap.profiling.stages import STAGES
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from recforge.preprocess.presets import load_plan
-from recforge.rap.profiling.cost_model import CostModel
 from recforge.rap.mapping.milp import Placement
 from recforge.rap.planning.simulator import METHODS, RankStages, SimSetup, cost_model_kernel_cost, simulate
+from recforge.rap.profiling.cost_model import CostModel
 from recforge.rap.profiling.stages import STAGES
 
 STAGE_MS = dict(zip(STAGES, [0.93, 1.92, 2.86, 0.99, 1.37]))

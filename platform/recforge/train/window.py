@@ -12,9 +12,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from recforge.train.loop import EpochStats, LoopState
 from recforge.train.recovery import faults as fault_injection
 from recforge.train.recovery.checkpointer import Checkpointer
-from recforge.train.loop import EpochStats, LoopState
 
 
 class GroupStop(Exception):

@@ -25,8 +25,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
-from recforge.rap.runtime.corun_batches import CorunBatch, CorunReadAhead
 from recforge.rap.mapping.mapped_input import MappedFeatures
+from recforge.rap.runtime.corun_batches import CorunBatch, CorunReadAhead
 from recforge.rap.runtime.corun_runtime import CorunConfigError, CorunRuntime
 from recforge.train.batches import Batch, TaskBatches, TaskClient, slice_raw
 

@@ -25,7 +25,6 @@ from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.types import ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-
 GLOBAL_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value)
 LOCAL_TYPES = (ShardingType.DATA_PARALLEL.value,)
 

@@ -24,9 +24,9 @@ from typing import Any
 from recforge.preprocess.planning.compiler import CompiledPlan, FusedGroup, compile_plan
 from recforge.preprocess.planning.graph import Node
 from recforge.preprocess.planning.plan import Plan
-from recforge.rap.profiling.cost_model import CostModel, predict_group
 from recforge.rap.mapping.milp import Placement, node_rows, rank_plan, split_rank_plan
 from recforge.rap.planning.schedule import Assignment, CorunSchedule, split_units
+from recforge.rap.profiling.cost_model import CostModel, predict_group
 from recforge.rap.profiling.stages import STAGES
 
 PartCost = Callable[[int, int, int], float]  # (kernel index, first unit, end unit) -> ms

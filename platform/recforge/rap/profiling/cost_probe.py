@@ -16,9 +16,9 @@ import torch
 
 from recforge.config import DatasetConfig, DenseFeature, SparseFeature
 from recforge.preprocess.batch import RawBatch
-from recforge.preprocess.planning.compiler import compile_plan
 from recforge.preprocess.executors.fused import FusedExecutor
 from recforge.preprocess.jagged import JaggedColumn, JaggedColumns
+from recforge.preprocess.planning.compiler import compile_plan
 from recforge.preprocess.planning.plan import Plan
 from recforge.rap.profiling.cost_model import Measurement
 

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from recforge_kernels import fused
 
 from recforge.rap.profiling.stages import STAGES, StageTracker
+from recforge_kernels import fused
 
 PROXY_FEATURES_PER_UNIT = 4
 PROXY_WIDTH = 8

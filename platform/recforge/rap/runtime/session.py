@@ -23,10 +23,10 @@ from recforge.preprocess.executor import make_executor
 from recforge.preprocess.planning.plan import Plan
 from recforge.rap.mapping.mapped_batches import MappedCorunBatches
 from recforge.rap.mapping.mapped_input import MappedInput
-from recforge.rap.runtime.corun_batches import CorunTaskBatches
-from recforge.rap.runtime.corun_runtime import CorunConfigError, CorunRuntime, check_plan_in_sharding
 from recforge.rap.planning.schedule import CorunSchedule
 from recforge.rap.profiling.stages import StageTracker
+from recforge.rap.runtime.corun_batches import CorunTaskBatches
+from recforge.rap.runtime.corun_runtime import CorunConfigError, CorunRuntime, check_plan_in_sharding
 
 
 def corun_executor(plan: Plan, dataset: DatasetConfig):

@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from recforge.train.recovery.flash import FlashSnapshotter
 from recforge.train.loop import EpochStats, LoopState
+from recforge.train.recovery.flash import FlashSnapshotter
 from recforge.train.recovery.resume import loop_to_dict, save_disk
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from recforge.train.recovery.layout import META_FILE, done_marker, memory_problem, step_dirs, step_name
 from recforge.train.recovery.flash_layout import Layout, RecordingWriter
+from recforge.train.recovery.layout import META_FILE, done_marker, memory_problem, step_dirs, step_name
 from recforge.train.recovery.resume import training_state
 
 log = logging.getLogger(__name__)

@@ -38,11 +38,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from recforge.train.loop import EpochStats, LoopState
 from recforge.train.recovery.layout import (
-    DISK, MEMORY, META_FILE, Candidate, candidates, disk_problem, memory_problem, prune, read_meta, step_name,
+    DISK,
+    MEMORY,
+    META_FILE,
+    Candidate,
+    candidates,
+    disk_problem,
+    memory_problem,
+    prune,
+    read_meta,
+    step_name,
     write_checksums,
 )
-from recforge.train.loop import EpochStats, LoopState
 
 log = logging.getLogger(__name__)
 
