@@ -31,7 +31,7 @@ import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
+from datetime import UTC, datetime  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from recforge.elastic.backends.local import free_port  # noqa: E402
@@ -72,8 +72,8 @@ def _worker(rank: int, port: int, args: dict, out: str) -> None:
     from recforge.config import ModelConfig, TrainConfig, dataset_preset
     from recforge.elastic.agent.flash_checkpoint import FlashPersister
     from recforge.preprocess.planning.plan import criteo_plan
-    from recforge.train.recovery.flash import FlashSnapshotter
     from recforge.train.model import build_dlrm
+    from recforge.train.recovery.flash import FlashSnapshotter
     from recforge.train.recovery.resume import save_disk, training_state
     from recforge.train.sharding import shard_model
 
@@ -158,7 +158,7 @@ def _worker(rank: int, port: int, args: dict, out: str) -> None:
         dist.barrier()
     persist = []
     if rank == 0:
-        for i in range(args["repeats"]):
+        for _ in range(args["repeats"]):
             save_dir = Path(tempfile.mkdtemp(dir=disk))
             t0 = time.perf_counter()
             FlashPersister(shm / "fast", save_dir, keep=1).persist_now()
@@ -194,14 +194,16 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in raw["times"].items()}
     flash = med["flash (shm)"]
     total_mb = sum(raw["state_bytes"]) / 2**20
-    print(f"training state: {total_mb:.1f} MiB over {WORLD} ranks (tables capped at {args.table_cap} rows, dim {args.dim})")
+    print(f"training state: {total_mb:.1f} MiB over {WORLD} ranks "
+          f"(tables capped at {args.table_cap} rows, dim {args.dim})")
     print(f"{'method':24s} {'median stall s':>15s} {'x flash':>8s} {'MiB/s':>9s}")
     for k, v in med.items():
         print(f"{k:24s} {v:15.4f} {v / flash:8.2f} {total_mb / v:9.0f}")
     persist = statistics.median(raw["persist"])
-    print(f"{'agent persist (async)':24s} {persist:15.4f} {persist / flash:8.2f} {total_mb / persist:9.0f}  (off the training path)")
+    print(f"{'agent persist (async)':24s} {persist:15.4f} {persist / flash:8.2f} {total_mb / persist:9.0f}"
+          "  (off the training path)")
     RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     doc = {
         "bench": "checkpoint", "time": stamp, "world_size": WORLD, "threads_per_rank": 1,
         "table_cap": args.table_cap, "embedding_dim": args.dim, "repeats": args.repeats,

@@ -120,7 +120,7 @@ def main() -> None:
             convert_options=pacsv.ConvertOptions(column_types={n: pa.string() for n in names}),
         ))
         try:
-            import pandas as pd
+            import pandas as pd  # lazy: optional here, the case is skipped without pandas
 
             case("pandas.read_csv c engine", args.rows,
                  lambda: pd.read_csv(day, sep="\t", header=None, names=names, engine="c",

@@ -9,9 +9,9 @@ One process, one single-rank gloo group, the real trainer (recforge.train.loop.t
 CorunTaskBatches, a fixed task list standing in for the job master). The raw rows of each task are read from the
 Parquet shards once, before timing, and served from memory (`--read-in-loop` reads them inside the loop instead),
 so the variants differ only in preprocessing; the read cost per batch is reported on its own. Fixed thread
-counts: the trainer `--threads`, the co-run thread `--corun-threads`. Rounds are interleaved (ideal, inline, corun, ideal, ...) so
-machine noise spreads over all three; medians of samples/s per variant and ratios of medians. Per plan it also
-measures the preprocessing share of a step: median fused-executor time of one batch, alone, over the median
+counts: the trainer `--threads`, the co-run thread `--corun-threads`. Rounds are interleaved (ideal, inline, corun,
+ideal, ...) so machine noise spreads over all three; medians of samples/s per variant and ratios of medians. Per plan
+it also measures the preprocessing share of a step: median fused-executor time of one batch, alone, over the median
 ideal step time (RAP's case: preprocessing well under a step). Before timing, the three variants' per-step
 losses over one epoch are compared (they must be equal: the same ids and values reach the model).
 
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from _results import write_report  # bench/_results.py (bench/ is the script's directory)
 from recforge.config import ModelConfig, TrainConfig
 from recforge.data.generator import generate_days
 from recforge.data.ingest import ingest
@@ -44,14 +45,13 @@ from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.executor import make_executor
 from recforge.preprocess.presets import load_plan, preset_dataset
 from recforge.preprocess.synth import random_raw_batch
+from recforge.rap.planning.schedule import CorunSchedule, whole_kernel_schedule
 from recforge.rap.runtime.corun_batches import CorunTaskBatches, PreprocessedBatches
 from recforge.rap.runtime.session import CorunSession
-from recforge.rap.planning.schedule import CorunSchedule, whole_kernel_schedule
 from recforge.train.batches import TaskBatches, slice_raw
 from recforge.train.loop import LoopState, train_epoch
 from recforge.train.model import build_dlrm
 from recforge.train.sharding import shard_model
-from _results import write_report  # bench/_results.py (bench/ is the script's directory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("ideal", "inline", "corun")
@@ -78,7 +78,8 @@ class FixedTasks:
     """The job master's lease / done over a fixed list of tasks (one per shard)."""
 
     def __init__(self, shards: list[int], rows: list[int]) -> None:
-        self.tasks = [Task(task_id=f"s{s}", epoch=0, shard=s, row_start=0, row_end=n) for s, n in zip(shards, rows)]
+        self.tasks = [Task(task_id=f"s{s}", epoch=0, shard=s, row_start=0, row_end=n)
+                      for s, n in zip(shards, rows, strict=True)]
 
     def lease(self):
         return self.tasks.pop(0) if self.tasks else None
@@ -233,7 +234,8 @@ def main() -> None:
     ap.add_argument("--sharding", default="table_wise")
     ap.add_argument("--stage", default="mlp_bwd", help="without --schedule: the stage every kernel starts in (the "
                     "pipeline's default: the longest stage; autograd runs in C++ and needs the GIL least)")
-    ap.add_argument("--schedule", type=Path, default=None, help="a co-run schedule JSON (recforge.rap.planning.schedule)")
+    ap.add_argument("--schedule", type=Path, default=None,
+                    help="a co-run schedule JSON (recforge.rap.planning.schedule)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_rap.json")
     args = ap.parse_args()
@@ -251,7 +253,8 @@ def main() -> None:
     print_table(results)
     report = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_average": os.getloadavg()},
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()} | {"torch": torch.__version__},
+        "settings": ({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+                     | {"torch": torch.__version__}),
         "plans": results,
     }
     write_report(args.out, report)

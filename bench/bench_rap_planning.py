@@ -24,16 +24,14 @@ import torch
 
 from recforge.preprocess.planning.compiler import compile_plan
 from recforge.preprocess.presets import load_plan
-from recforge.rap.profiling import cost_model
-from recforge.rap.profiling import cost_probe
-from recforge.rap.planning import gantt
 from recforge.rap.mapping.milp import milp as mapping
-from recforge.rap.planning import simulator
+from recforge.rap.planning import gantt, simulator
+from recforge.rap.profiling import cost_model, cost_probe
 from recforge.rap.profiling.stages import STAGES
 
 RESULTS = Path(__file__).resolve().parent / "results"
-STAGE_MS = dict(zip(STAGES, [0.93, 1.92, 2.86, 0.99, 1.37]))
-UNITS = dict(zip(STAGES, [24, 28, 52, 30, 64]))
+STAGE_MS = dict(zip(STAGES, [0.93, 1.92, 2.86, 0.99, 1.37], strict=True))
+UNITS = dict(zip(STAGES, [24, 28, 52, 30, 64], strict=True))
 TABLE_MAPPING_4 = [1, 1, 3, 2, 2, 2, 3, 1, 1, 3, 1, 3, 0, 0, 1, 3, 1, 2, 3, 0, 0, 2, 2, 0, 0, 2, 0]
 ARTIFACT_LIKE = cost_model.CostModel({op: [0.02, 0.0, 8.5e-7, 0.0, 0.0]
                                       for op in ("fill_null", "logit", "sigrid_hash", "firstx", "bucketize")})
@@ -53,7 +51,8 @@ def bench_cost_model(threads: int, repeats: int) -> dict:
 
 def bench_simulator(out_png: Path) -> dict:
     plan = load_plan("plan0")
-    placements = {f: mapping.Placement("table_wise", (r,)) for f, r in zip(plan.sparse_features(), TABLE_MAPPING_4)}
+    placements = {f: mapping.Placement("table_wise", (r,))
+                  for f, r in zip(plan.sparse_features(), TABLE_MAPPING_4, strict=True)}
     rank = simulator.RankStages(STAGE_MS, {s: u * UNIT_MS for s, u in UNITS.items()})
     setup = simulator.SimSetup(plan=plan, placements=placements, batch_size=4096, ranks=[rank] * 4,
                                kernel_cost=simulator.cost_model_kernel_cost(ARTIFACT_LIKE), input_comm_ms=0.3)
@@ -97,10 +96,12 @@ def bench_mapping() -> dict:
         for cap_scale in (1.0, 0.1, 0.02):
             capacity = cap_scale * sum(UNITS.values()) * UNIT_MS
             costs = mapping.MappingCosts(
-                world_size=world, batch_size=4096, base_ms=STAGE_MS["mlp_fwd"] + STAGE_MS["mlp_bwd"] + STAGE_MS["allreduce"],
+                world_size=world, batch_size=4096,
+                base_ms=STAGE_MS["mlp_fwd"] + STAGE_MS["mlp_bwd"] + STAGE_MS["allreduce"],
                 lookup_ms_per_value=lookup, allreduce_ms_per_value=1.37 / 2.5e6, dense_prep_ms=0.2,
                 capacity_ms=[capacity] * world, memory_values=40e9 / 4 / 2, table_overhead_ms=0.01)
-            before = ({f: mapping.Placement("table_wise", (r,)) for f, r in zip(plan.sparse_features(), TABLE_MAPPING_4)}
+            before = ({f: mapping.Placement("table_wise", (r,))
+                       for f, r in zip(plan.sparse_features(), TABLE_MAPPING_4, strict=True)}
                       if world == 4 else
                       {f: mapping.Placement("table_wise", (i % world,)) for i, f in enumerate(plan.sparse_features())})
             t_before = mapping.evaluate(tables, before, costs)
@@ -126,7 +127,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     RESULTS.mkdir(exist_ok=True)
     result = {"threads": args.threads, "load_avg": os.getloadavg(),
               "cost_model": bench_cost_model(args.threads, args.repeats),

@@ -28,7 +28,7 @@ import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
+from datetime import UTC, datetime  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from recforge.elastic.backends.local import free_port  # noqa: E402
@@ -82,8 +82,8 @@ def _poll(state_file: Path, events: dict, stop: threading.Event, kill_after_done
 def recovery_run(data, run: Path, flash: bool) -> dict:
     from recforge.config import ResourceConfig
     from recforge.data.manifest import Manifest
-    from recforge.elastic.job import run_training_job
     from recforge.elastic.backends.local import LocalBackend
+    from recforge.elastic.job import run_training_job
     from recforge.elastic.policy import StaticPolicy
 
     spec = {
@@ -139,9 +139,9 @@ def _sharding_worker(rank: int, port: int, master_urls: list[str], data_root: st
     import torch.distributed as dist
 
     from recforge.config import ModelConfig, TrainConfig, dataset_preset
+    from recforge.data.manifest import Manifest
     from recforge.elastic.agent.client import MasterClient
     from recforge.elastic.master.tasks import TaskQueue
-    from recforge.data.manifest import Manifest
     from recforge.preprocess.executor import TorchExecutor
     from recforge.preprocess.planning.plan import Plan
     from recforge.train.batches import TaskBatches, empty
@@ -238,12 +238,12 @@ def main() -> None:
         if not args.skip_sharding:
             s = sharding_overhead(data, args.epochs)
             doc["sharding"] = s
-            print(f"dynamic sharding {s['dynamic_samples_per_s']:.0f} samples/s, static {s['static_samples_per_s']:.0f} "
-                  f"samples/s: overhead {100 * s['overhead']:.1f}% (goal <= 5%)")
+            print(f"dynamic sharding {s['dynamic_samples_per_s']:.0f} samples/s, "
+                  f"static {s['static_samples_per_s']:.0f} samples/s: overhead {100 * s['overhead']:.1f}% (goal <= 5%)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     doc["time"] = stamp
     path = RESULTS / f"bench_recovery_{stamp}.json"
     path.write_text(json.dumps(doc, indent=2))

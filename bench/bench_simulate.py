@@ -34,8 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
 
-    from recforge.elastic.simulate import ClusterSpec, SimParams, TraceParams, generate_trace, simulate_policies
-    from recforge.elastic.simulate import report
+    from recforge.elastic.simulate import ClusterSpec, SimParams, TraceParams, generate_trace, report, simulate_policies
 
     console = Console(width=160)
     names = args.policies.split(",")
@@ -49,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         t_trace = time.perf_counter() - t0
         results, walls = simulate_policies(trace, names, cluster, params, seed)
         total = time.perf_counter() - t0
+        per_policy = ", ".join(f"{k} {v:.1f}s" for k, v in walls.items())
         console.print(report.table(results, f"seed {seed}: {args.jobs} jobs, {args.nodes} nodes; trace {t_trace:.1f}s, "
-                                            f"all policies {total:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in walls.items())})"))
+                                            f"all policies {total:.1f}s ({per_policy})"))
         if "static" in names:
             console.print(report.versus_table(results))
         runs.append({"seed": seed, "wall_s": total, "trace_s": t_trace, "policy_wall_s": walls,
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         if seed == args.seeds[0]:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
             plots = report.plot(results, args.out.mkdir(parents=True, exist_ok=True) or args.out)
-            for k, p in plots.items():
+            for p in plots.values():
                 p.rename(args.out / f"bench_simulate_{stamp}_{p.name}")
 
     med = {}

@@ -87,7 +87,7 @@ class RssSampler(threading.Thread):
                 rs = [r for _, r in half]
                 mt, mr = statistics.fmean(ts), statistics.fmean(rs)
                 den = sum((t - mt) ** 2 for t in ts)
-                slope = sum((t - mt) * (r - mr) for t, r in zip(ts, rs)) / den if den > 0 else 0.0
+                slope = sum((t - mt) * (r - mr) for t, r in zip(ts, rs, strict=True)) / den if den > 0 else 0.0
             out[str(rank)] = {"peak_rss_bytes": max(rss), "rss_slope_bytes_per_s": slope, "samples": len(s)}
         return out
 
@@ -117,14 +117,15 @@ def prepare_data(root: Path, rows: int, seed: int):
 
     ds = dataset_preset("criteo_kaggle")
     generate_days(ds, root / "raw", days=1, rows_per_day=rows, seed=seed)
-    manifest = ingest([root / "raw" / "day_0.tsv"], ds, root / "train", rows_per_shard=ROWS_PER_SHARD, max_bad_fraction=0.01)
+    manifest = ingest([root / "raw" / "day_0.tsv"], ds, root / "train", rows_per_shard=ROWS_PER_SHARD,
+                      max_bad_fraction=0.01)
     return ds, manifest
 
 
 def run_point(root: Path, ds, manifest, plan_path: Path, tables, cfg: dict, rows: int, tag: str) -> dict:
     from recforge.config import ModelConfig, ResourceConfig, TrainConfig
-    from recforge.elastic.job import run_training_job
     from recforge.elastic.backends.local import LocalBackend
+    from recforge.elastic.job import run_training_job
     from recforge.elastic.policy import StaticPolicy
 
     w, t, b = cfg["workers"], cfg["threads_per_worker"], cfg["batch_size"]
@@ -204,15 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume and args.out.exists():
         doc = json.loads(args.out.read_text())
     doc["conditions"] = {
-        "machine": {"cpu_model": _cpu_model(), "logical_cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
+        "machine": {"cpu_model": _cpu_model(), "logical_cpus": os.cpu_count(),
+                    "memory_bytes": psutil.virtual_memory().total,
                     "python": platform.python_version(), "torch": __import__("torch").__version__,
                     "torchrec": __import__("torchrec").__version__},
         "dataset": "criteo_kaggle preset, generated (recforge.data.generate_days), ingested in shards of "
                    f"{ROWS_PER_SHARD} rows",
         "table_cap": args.table_cap, "model": "ModelConfig() defaults (dlrm, embedding_dim 16)",
-        "train": "TrainConfig defaults except batch_size, batches_per_task=4, epochs=1; sharding auto, fused embeddings",
+        "train": "TrainConfig defaults except batch_size, batches_per_task=4, epochs=1; "
+                 "sharding auto, fused embeddings",
         "target_train_s": args.target_s, "repeats": args.repeats, "order": "shuffled per repetition (seed given)",
-        "samples_per_s": "the worker's result.json: samples / train wall time (excludes startup, model build, sharding)",
+        "samples_per_s": "the worker's result.json: samples / train wall time "
+                         "(excludes startup, model build, sharding)",
         "seed": args.seed,
     }
     done = {(p["workers"], p["threads_per_worker"], p["batch_size"], p["rep"]) for p in doc["points"]}
@@ -259,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def report_fit(path: Path) -> int:
     """Term selection, fit and held-out MAPE on a profile; writes <profile>.fit.json and a plot in bench/results."""
-    from recforge.elastic.optimizer.throughput_model import fit_profile, load_profile
     from recforge.elastic.optimizer.memory_model import MemoryModel, MemorySample
+    from recforge.elastic.optimizer.throughput_model import fit_profile, load_profile
 
     samples, cond = load_profile(path)
     res = fit_profile(samples)
@@ -275,7 +279,8 @@ def report_fit(path: Path) -> int:
     for p in doc["points"]:
         for rank, m in (p.get("memory") or {}).items():
             if rank != "-1" and "embedding_bytes_per_rank" in p and int(rank) < len(p["embedding_bytes_per_rank"]):
-                mem.append(MemorySample(p["embedding_bytes_per_rank"][int(rank)], p.get("steps", 0), m["peak_rss_bytes"]))
+                mem.append(MemorySample(p["embedding_bytes_per_rank"][int(rank)], p.get("steps", 0),
+                                        m["peak_rss_bytes"]))
     if len(mem) >= 3:
         mm = MemoryModel.fit(mem)
         out["memory_model"] = mm.to_dict()

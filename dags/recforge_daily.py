@@ -10,14 +10,12 @@ from itertools import pairwise
 import pendulum
 from airflow.sdk import Param, dag, get_current_context, task
 
-from recforge.pipelines.dag_tasks import default_params
+from recforge.pipelines.dag_tasks import default_params, run_stage_from_context
 
 
 def _stage(name: str):
     @task(task_id=name)
     def run() -> dict:
-        from recforge.pipelines.dag_tasks import run_stage_from_context
-
         return run_stage_from_context(name, get_current_context())
 
     return run()

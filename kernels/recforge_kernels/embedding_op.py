@@ -31,9 +31,11 @@ _lib.define(SCHEMA)
 
 def _check(weights: Tensor, meta: Tensor) -> None:
     if meta.dim() != 2 or meta.shape[1] != L.META_WIDTH or meta.dtype != torch.int64:
-        raise ValueError(f"embedding_layer: meta must be int64 [C, {L.META_WIDTH}], got {meta.dtype} {list(meta.shape)}")
+        raise ValueError(f"embedding_layer: meta must be int64 [C, {L.META_WIDTH}], "
+                         f"got {meta.dtype} {list(meta.shape)}")
     if weights.dtype != torch.float32 or weights.dim() != 1:
-        raise ValueError(f"embedding_layer: weights must be a float32 vector, got {weights.dtype} {list(weights.shape)}")
+        raise ValueError(f"embedding_layer: weights must be a float32 vector, "
+                         f"got {weights.dtype} {list(weights.shape)}")
 
 
 @torch.library.register_fake("recforge::embedding_layer", lib=_lib)

@@ -13,14 +13,13 @@ Semantics of every op: recforge.preprocess.semantics.registry.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from recforge_kernels import cpu_ext
 from recforge_kernels import fused_torch as fallback
-
 
 _CPU_BACKEND = {"name": "cpp"}
 
@@ -45,7 +44,8 @@ def _cpu(name: str) -> Callable:
 
 
 @torch.library.custom_op("recforge::fused_fill_null_columns", mutates_args=())
-def fused_fill_null_columns(x: Tensor, valid: Tensor, cols: list[int], values: list[float], dense: bool) -> list[Tensor]:
+def fused_fill_null_columns(x: Tensor, valid: Tensor, cols: list[int], values: list[float],
+                            dense: bool) -> list[Tensor]:
     """Columns `cols` of raw x[B, F] (int64) with nulls (valid False) set to values[f]: float32 (dense) / int64."""
     if x.device.type == "cpu":
         return list(_cpu("fill_null_columns")(x, valid, cols, values, dense))
@@ -154,7 +154,8 @@ def fused_onehot(xs: list[Tensor], lo: list[float], hi: list[float], classes: li
 
 @fused_onehot.register_fake
 def _(xs, lo, hi, classes, keep):
-    return [x.new_empty((x.shape[0], min(c, k)), dtype=torch.float32) for x, c, k in zip(xs, classes, keep)]
+    return [x.new_empty((x.shape[0], min(c, k)), dtype=torch.float32)
+            for x, c, k in zip(xs, classes, keep, strict=True)]
 
 
 @torch.library.custom_op("recforge::fused_firstx", mutates_args=())
@@ -165,7 +166,7 @@ def fused_firstx(xs: list[Tensor], X: list[int]) -> list[Tensor]:
 
 @fused_firstx.register_fake
 def _(xs, X):
-    return [x.new_empty((x.shape[0], min(k, x.shape[1]))) for x, k in zip(xs, X)]
+    return [x.new_empty((x.shape[0], min(k, x.shape[1]))) for x, k in zip(xs, X, strict=True)]
 
 
 @torch.library.custom_op("recforge::fused_ngram", mutates_args=())
@@ -177,7 +178,7 @@ def fused_ngram(xs: list[Tensor], n: list[int]) -> list[Tensor]:
 @fused_ngram.register_fake
 def _(xs, n):
     out = []
-    for x, m in zip(xs, n):
+    for x, m in zip(xs, n, strict=True):
         w = x.shape[1]
         k = min(m, w)
         out.append(x.new_empty((x.shape[0], (w - k + 1) * k)))

@@ -20,7 +20,7 @@ def fill_null_columns(x: Tensor, valid: Tensor, cols: list[int], values: list[fl
 def fill_null(xs: list[Tensor], valids: list[Tensor], values: list[float], dense: bool) -> list[Tensor]:
     dtype = torch.float32 if dense else torch.int64
     out = []
-    for x, v, fill in zip(xs, valids, values):
+    for x, v, fill in zip(xs, valids, values, strict=True):
         fill_t = torch.tensor(fill if dense else int(fill), dtype=dtype, device=x.device)
         out.append(torch.where(v, x.to(dtype), fill_t).contiguous())
     return out
@@ -40,11 +40,11 @@ def cast(xs: list[Tensor], to_float: bool) -> list[Tensor]:
 
 
 def clamp_float(xs: list[Tensor], lo: list[float], hi: list[float]) -> list[Tensor]:
-    return [torch.clamp(x, l, h) for x, l, h in zip(xs, lo, hi)]
+    return [torch.clamp(x, lo_f, hi_f) for x, lo_f, hi_f in zip(xs, lo, hi, strict=True)]
 
 
 def clamp_id(xs: list[Tensor], lo: list[int], hi: list[int]) -> list[Tensor]:
-    return [torch.clamp(x, int(l), int(h)) for x, l, h in zip(xs, lo, hi)]
+    return [torch.clamp(x, int(lo_f), int(hi_f)) for x, lo_f, hi_f in zip(xs, lo, hi, strict=True)]
 
 
 def bucketize(xs: list[Tensor], borders: Tensor, offsets: list[int]) -> list[Tensor]:
@@ -66,20 +66,20 @@ def mapid(xs: list[Tensor], table: Tensor, offsets: list[int]) -> list[Tensor]:
 
 
 def sigrid_hash(xs: list[Tensor], salts: list[int], moduli: list[int]) -> list[Tensor]:
-    return [torch.remainder(sigrid_hash_raw(x, s), m) for x, s, m in zip(xs, salts, moduli)]
+    return [torch.remainder(sigrid_hash_raw(x, s), m) for x, s, m in zip(xs, salts, moduli, strict=True)]
 
 
 def logit(xs: list[Tensor], lo: list[float], hi: list[float]) -> list[Tensor]:
     out = []
-    for x, l, h in zip(xs, lo, hi):
-        t = torch.clamp(x, l, h).to(torch.float64)
+    for x, lo_f, hi_f in zip(xs, lo, hi, strict=True):
+        t = torch.clamp(x, lo_f, hi_f).to(torch.float64)
         out.append(torch.log(t / (1.0 - t)).to(torch.float32))
     return out
 
 
 def boxcox(xs: list[Tensor], lambdas: list[float]) -> list[Tensor]:
     out = []
-    for x, lam in zip(xs, lambdas):
+    for x, lam in zip(xs, lambdas, strict=True):
         lam = float(torch.tensor(lam, dtype=torch.float32))
         pos = x > 0
         safe = torch.where(pos, x, torch.ones_like(x)).to(torch.float64)
@@ -92,9 +92,9 @@ def onehot(xs: list[Tensor], lo: list[float], hi: list[float], classes: list[int
            keep: list[int] | None = None) -> list[Tensor]:
     out = []
     keep = keep or classes
-    for x, l, h, c, k in zip(xs, lo, hi, classes, keep):
+    for x, lo_f, hi_f, c, k in zip(xs, lo, hi, classes, keep, strict=True):
         xf = x.reshape(-1).to(torch.float32)
-        l32, h32 = torch.tensor(l, dtype=torch.float32), torch.tensor(h, dtype=torch.float32)
+        l32, h32 = torch.tensor(lo_f, dtype=torch.float32), torch.tensor(hi_f, dtype=torch.float32)
         q = (xf - l32.to(xf.device)) / ((h32 - l32) / float(c)).to(xf.device)
         idx = torch.where((q >= 0) & (q < c), q, torch.zeros_like(q)).to(torch.int64)
         out.append((idx.unsqueeze(1) == torch.arange(min(c, k), device=x.device)).to(torch.float32))
@@ -109,11 +109,11 @@ def ngram_index(w: int, n: int, device: torch.device) -> Tensor:
 
 
 def firstx(xs: list[Tensor], X: list[int]) -> list[Tensor]:
-    return [x[:, :k].contiguous() for x, k in zip(xs, X)]
+    return [x[:, :k].contiguous() for x, k in zip(xs, X, strict=True)]
 
 
 def ngram(xs: list[Tensor], n: list[int]) -> list[Tensor]:
-    return [x.index_select(1, ngram_index(x.shape[1], k, x.device)) for x, k in zip(xs, n)]
+    return [x.index_select(1, ngram_index(x.shape[1], k, x.device)) for x, k in zip(xs, n, strict=True)]
 
 
 def _positions(lengths: Tensor) -> tuple[Tensor, Tensor]:
@@ -124,7 +124,7 @@ def _positions(lengths: Tensor) -> tuple[Tensor, Tensor]:
 
 def firstx_jagged(values: list[Tensor], lengths: list[Tensor], X: list[int]) -> list[Tensor]:
     vs, ls = [], []
-    for v, ln, k in zip(values, lengths, X):
+    for v, ln, k in zip(values, lengths, X, strict=True):
         ln = ln.to(torch.int64)
         _, pos = _positions(ln)
         vs.append(v[pos < k])
@@ -134,7 +134,7 @@ def firstx_jagged(values: list[Tensor], lengths: list[Tensor], X: list[int]) -> 
 
 def ngram_jagged(values: list[Tensor], lengths: list[Tensor], n: list[int]) -> list[Tensor]:
     vs, ls = [], []
-    for v, ln, m in zip(values, lengths, n):
+    for v, ln, m in zip(values, lengths, n, strict=True):
         ln = ln.to(torch.int64)
         k = torch.clamp(ln, max=m)
         out_len = (ln - k + 1) * k

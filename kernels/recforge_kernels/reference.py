@@ -80,14 +80,14 @@ def sigrid_hash_ref(x: int, salt: int, M: int) -> int:
 def velox_multiplier_and_shift(divisor: int, precision: int = 63) -> tuple[int, int]:
     """Replays torcharrow's computeMultiperAndShift (128-bit arithmetic; the multiplier is cast to uint64)."""
     n = 64
-    l = math.ceil(math.log2(divisor))
-    low = (1 << (n + l)) // divisor
-    high = ((1 << (n + l)) + (1 << (n + l - precision))) // divisor
-    while low // 2 < high // 2 and l > 0:
+    shift = math.ceil(math.log2(divisor))
+    low = (1 << (n + shift)) // divisor
+    high = ((1 << (n + shift)) + (1 << (n + shift - precision))) // divisor
+    while low // 2 < high // 2 and shift > 0:
         low //= 2
         high //= 2
-        l -= 1
-    return high & MASK64, l
+        shift -= 1
+    return high & MASK64, shift
 
 
 def velox_floor_mod(hashed: int, divisor: int) -> int:

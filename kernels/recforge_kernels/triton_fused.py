@@ -6,6 +6,9 @@ tests check them against the fused torch fallback.
 """
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -26,7 +29,7 @@ def _split(flat: Tensor, xs: list[Tensor], shapes=None) -> list[Tensor]:
     sizes = [x.numel() for x in xs] if shapes is None else [int(torch.tensor(s).prod()) for s in shapes]
     parts = torch.split(flat, sizes)
     shapes = shapes if shapes is not None else [x.shape for x in xs]
-    return [p.view(s) for p, s in zip(parts, shapes)]
+    return [p.view(s) for p, s in zip(parts, shapes, strict=True)]
 
 
 def _grid(f: int, n: int):
@@ -245,7 +248,7 @@ def clamp_id(xs, lo, hi):
 
 def bucketize(xs, borders, offsets):
     d = xs[0].device
-    most = max(b - a for a, b in zip(offsets, offsets[1:]))
+    most = max(b - a for a, b in itertools.pairwise(offsets))
     return _elementwise(_bucketize_kernel, xs, torch.int64, borders.to(device=d, dtype=torch.float32),
                         _params(offsets, torch.int64, d), MAX_K=triton.next_power_of_2(most))
 
@@ -281,9 +284,9 @@ def fill_null_columns(x, valid, cols, values, dense):
 
 def onehot(xs, lo, hi, classes, keep=None):
     d = xs[0].device
-    keep = [min(c, k) for c, k in zip(classes, keep or classes)]
+    keep = [min(c, k) for c, k in zip(classes, keep or classes, strict=True)]
     x, off, n = _flat([t.reshape(-1).to(torch.float32) for t in xs])
-    shapes = [(t.shape[0], k) for t, k in zip(xs, keep)]
+    shapes = [(t.shape[0], k) for t, k in zip(xs, keep, strict=True)]
     yoff = torch.tensor([0] + [r * c for r, c in shapes], dtype=torch.int64).cumsum(0).to(d)
     y = torch.empty(int(yoff[-1]), dtype=torch.float32, device=d)
     _onehot_kernel[_grid(len(xs), n)](x, y, off, yoff, _params(lo, torch.float32, d), _params(hi, torch.float32, d),
@@ -295,7 +298,7 @@ def onehot(xs, lo, hi, classes, keep=None):
 def _windows(xs, ks_and_windows):
     d = xs[0].device
     x, xoff, _ = _flat(xs)
-    shapes = [(t.shape[0], win * k) for t, (k, win) in zip(xs, ks_and_windows)]
+    shapes = [(t.shape[0], win * k) for t, (k, win) in zip(xs, ks_and_windows, strict=True)]
     sizes = [r * c for r, c in shapes]
     yoff = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0).to(d)
     y = torch.empty(int(yoff[-1]), dtype=x.dtype, device=d)
@@ -307,18 +310,18 @@ def _windows(xs, ks_and_windows):
 
 
 def firstx(xs, X):
-    return _windows(xs, [(min(k, t.shape[1]), 1) for t, k in zip(xs, X)])
+    return _windows(xs, [(min(k, t.shape[1]), 1) for t, k in zip(xs, X, strict=True)])
 
 
 def ngram(xs, n):
     kw = []
-    for t, m in zip(xs, n):
+    for t, m in zip(xs, n, strict=True):
         k = min(m, t.shape[1])
         kw.append((k, t.shape[1] - k + 1 if k else 0))
     return _windows(xs, kw)
 
 
-KERNELS = {
+KERNELS: dict[str, Callable[..., list[Tensor]]] = {
     "sigrid_hash": sigrid_hash, "logit": logit, "boxcox": boxcox, "clamp_float": clamp_float, "clamp_id": clamp_id,
     "bucketize": bucketize, "mapid": mapid, "cast": cast, "fill_null": fill_null, "onehot": onehot,
     "firstx": firstx, "ngram": ngram, "fill_null_columns": fill_null_columns,

@@ -9,6 +9,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.support import expected_conditions as EC
+from selenium.webdriver.support.ui import WebDriverWait
 
 from e2e_services import DAG_ID, artifacts_dir
 from recforge.pipelines.context import run_key_from
@@ -26,9 +32,6 @@ def browser():
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is not installed (make sysdeps installs Debian's chromium and chromium-driver)")
     assert os.path.exists(CHROMEDRIVER), f"{CHROMIUM} is installed but {CHROMEDRIVER} is not: run make sysdeps"
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in FLAGS:
@@ -58,18 +61,12 @@ class Shots:
 
 
 def _fill(element, value) -> None:
-    from selenium.webdriver.common.keys import Keys
-
     element.send_keys(Keys.CONTROL, "a")
     element.send_keys(Keys.DELETE)
     element.send_keys(str(value))
 
 
 def test_trigger_from_the_ui_then_browse_recforge_and_mlflow(live, browser):
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions as EC
-    from selenium.webdriver.support.ui import WebDriverWait
-
     wait = WebDriverWait(browser, 90)
     shot = Shots(browser)
     run_id = f"e2e_browser_{uuid.uuid4().hex[:8]}"

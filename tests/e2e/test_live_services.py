@@ -6,6 +6,7 @@ import time
 import uuid
 
 import httpx
+import jwt
 import pytest
 
 from e2e_services import DAG_ID, TINY
@@ -28,8 +29,6 @@ def test_everything_needs_an_airflow_login(live):
     assert page.status_code == 200 and "RecForge" in page.text
     assert "script-src" not in page.headers["content-security-policy"]
     # a token signed with another secret is refused, one from this install's /auth/token is accepted
-    import jwt
-
     forged = jwt.encode({"sub": "admin", "role": "admin", "aud": "apache-airflow"}, "x" * 64, algorithm="HS512")
     assert httpx.get(live.airflow_url + "/recforge/", headers={"Authorization": f"Bearer {forged}"},
                      timeout=30).status_code == 403

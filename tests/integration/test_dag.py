@@ -18,7 +18,8 @@ def _env(home: Path) -> dict:
     for key in [k for k in env if k.startswith("AIRFLOW") or k.startswith("MLFLOW")]:
         del env[key]
     env["RECFORGE_HOME"] = str(home)
-    out = subprocess.run([sys.executable, "-m", "recforge.settings"], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "recforge.settings"], env=env, capture_output=True, text=True,
+                         check=True)
     for line in out.stdout.splitlines():
         key, _, value = line.removeprefix("export ").partition("=")
         env[key] = value.strip("'")
@@ -87,7 +88,7 @@ def test_dag_test_runs_end_to_end_and_registers_a_model(airflow_home):
     info = json.loads(out.stdout.strip().splitlines()[-1])
     assert info["status"] == "READY"
     assert info["champion"] == info["version"]  # first model becomes champion
-    assert info["stages"] == sorted(["pipeline", "generate", "ingest", "plan_resources", "train", "evaluate", "compile", "publish"])
+    assert info["stages"] == sorted(["pipeline", *STAGE_OUTPUTS])
     assert info["rows_per_day"] == "4000"  # the Param reached the pipeline
     assert 0.0 < info["auc"] <= 1.0
     # the workers logged windowed training quality every log_every steps

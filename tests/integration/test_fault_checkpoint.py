@@ -126,9 +126,10 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(world1, tmp_pa
     fresh = _build(1)
     with caplog.at_level(logging.WARNING, logger="recforge.train.recovery.resume"):
         restored = load_latest(fresh.model, fresh.optimizer, rank=0, disk_root=tmp_path, memory_root=None)
-    assert restored.step == 1 and restored.skipped == [(str(tmp_path / "step-000000002"), "__0_0.distcp sha256 mismatch")]
-    assert any("step-000000002 (disk, step 2) is unusable: __0_0.distcp sha256 mismatch; falling back to the previous one"
-               in r.getMessage() for r in caplog.records)
+    assert restored.step == 1
+    assert restored.skipped == [(str(tmp_path / "step-000000002"), "__0_0.distcp sha256 mismatch")]
+    assert any("step-000000002 (disk, step 2) is unusable: __0_0.distcp sha256 mismatch; "
+               "falling back to the previous one" in r.getMessage() for r in caplog.records)
     torch.testing.assert_close(_predict(fresh), at_step_1)
 
 
@@ -165,7 +166,8 @@ def test_no_checkpoint_means_initial_weights(world1, tmp_path):
 
     sm = _build(1)
     before = _predict(sm)
-    assert load_latest(sm.model, sm.optimizer, rank=0, disk_root=tmp_path / "none", memory_root=tmp_path / "nomem") is None
+    restored = load_latest(sm.model, sm.optimizer, rank=0, disk_root=tmp_path / "none", memory_root=tmp_path / "nomem")
+    assert restored is None
     torch.testing.assert_close(_predict(sm), before)
 
 

@@ -60,8 +60,8 @@ def run_job(data, run: Path, *, workers=2, max_restarts=0, faults=None, resume=F
             **kw):
     from recforge.config import ResourceConfig
     from recforge.data.manifest import Manifest
-    from recforge.elastic.job import run_training_job
     from recforge.elastic.backends.local import LocalBackend
+    from recforge.elastic.job import run_training_job
     from recforge.elastic.policy import StaticPolicy
 
     res = ResourceConfig(workers=workers, threads_per_worker=1, max_restarts=max_restarts)
@@ -79,8 +79,8 @@ def worker_result(run: Path) -> dict:
 
 def auc(data, run: Path) -> float:
     from recforge.preprocess.executor import TorchExecutor
-    from recforge.train.recovery.checkpoint import load_unsharded
     from recforge.train.metrics import evaluate
+    from recforge.train.recovery.checkpoint import load_unsharded
 
     plan = data["plan"]
     model = load_unsharded(data["model"], plan.tables(), len(plan.dense_features()), run / "ckpt")
@@ -333,8 +333,8 @@ def test_rescale_from_two_workers_to_one_reloads_the_checkpoint_resharded(data, 
 
 def _mapping_file(data, path: Path) -> Path:
     """RAP's mapping for 2 workers: tables alternately table_wise on rank 0 / 1, schedules over a flat profile."""
-    from recforge.rap.mapping.worker_mapping import write_mapping
     from recforge.rap.mapping.milp import Placement
+    from recforge.rap.mapping.worker_mapping import write_mapping
     from recforge.rap.planning.scheduler import mapped_rank_schedules
     from recforge.rap.profiling.stages import STAGES
 

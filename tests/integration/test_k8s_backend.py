@@ -238,8 +238,8 @@ def test_run_training_job_on_kubernetes_relaunches_a_failed_pod(api, tmp_path):
 
     from recforge.config import ResourceConfig
     from recforge.elastic.agent.client import MasterClient
-    from recforge.elastic.job import run_training_job
     from recforge.elastic.backends.kubernetes import KubernetesBackend
+    from recforge.elastic.job import run_training_job
     from recforge.elastic.policy import StaticPolicy
 
     shards = [40, 24, 16]

@@ -51,8 +51,8 @@ class Ranks:
         return set(self.done) == expected and set(self.done.values()) == {1}
 
 
-def run_job(api, tmp_path, job_id: str, *, workers: int, memory: float, ranks: Ranks, config=None, table_bytes=(),
-            pend=()):
+def run_job(api_client, tmp_path, job_id: str, *, workers: int, memory: float, ranks: Ranks, config=None,
+            table_bytes=(), pend=()):
     """Stage 1 (cold start), then the job under its DLRoverScaler on the emulated cluster."""
     from recforge.config import ResourceConfig
     from recforge.elastic.backends.kubernetes import KubernetesBackend, memory_quantity
@@ -67,9 +67,9 @@ def run_job(api, tmp_path, job_id: str, *, workers: int, memory: float, ranks: R
     policy.plan(JobInfo(shard_rows=SHARDS, epochs=1, rows_per_task=8, resources=res,
                         extra={"batch_size": 4, "memory_per_worker": memory, "table_bytes": list(table_bytes)}))
     scaler = DLRoverScaler(policy, min_interval_s=0.2, memory_action="more_memory")
-    backend = KubernetesBackend(settings(job_id), memory=memory_quantity(memory), owner=OWNER, api_client=api,
+    backend = KubernetesBackend(settings(job_id), memory=memory_quantity(memory), owner=OWNER, api_client=api_client,
                                 poll_s=0.3)
-    kubelet = FakeKubelet(api, workload=ranks, pend=pend)
+    kubelet = FakeKubelet(api_client, workload=ranks, pend=pend)
     kubelet.start()
     try:
         result = run_training_job(

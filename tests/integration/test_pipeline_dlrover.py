@@ -16,6 +16,7 @@ def test_dlrover_daily_run_rescales_during_training_and_logs_its_decisions(recfo
     from recforge.data.manifest import Manifest
     from recforge.pipelines.context import RunContext
     from recforge.pipelines.data_stages import generate, ingest
+    from recforge.pipelines.outputs import IngestOutputs
     from recforge.pipelines.plan_stage import plan_resources
     from recforge.pipelines.train_stage import train
     from recforge.tracking import TrackingStore
@@ -46,7 +47,7 @@ def test_dlrover_daily_run_rescales_during_training_and_logs_its_decisions(recfo
     print(f"DLRover pipeline run: samples/s by workers {measured}; attempts {[a['decision'] for a in attempts]}")
 
     # per-sample accounting across the relaunch: every row of the day in the lineage exactly once, trained once
-    manifest = Manifest.load(ctx.outputs("ingest")["train"]["manifest_dir"])
+    manifest = Manifest.load(ctx.read(IngestOutputs).train.manifest_dir)
     rows = {(0, s, r) for s, info in enumerate(manifest.shards) for r in range(info.rows)}
     a = audit(ctx.stage_dir("train") / "ledger")
     assert set(a.lineage) == rows and set(a.lineage.values()) == {1}

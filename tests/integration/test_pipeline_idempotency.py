@@ -9,7 +9,8 @@ from recforge.tracking import TrackingStore
 
 
 def _tiny(home):
-    return RunContext.create("manual__2026-11-29T00:00:00+00:00", {"rows_per_day": 3000, "rows_per_shard": 1000, "seed": 3}, home=home)
+    return RunContext.create("manual__2026-11-29T00:00:00+00:00",
+                             {"rows_per_day": 3000, "rows_per_shard": 1000, "seed": 3}, home=home)
 
 
 def test_stages_are_idempotent(recforge_home):

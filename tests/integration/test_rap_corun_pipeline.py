@@ -16,6 +16,7 @@ from recforge.pipelines.train_stage import train
 from recforge.rap.profiling.profiler import ProfileKey, StageProfile
 from recforge.rap.profiling.stages import STAGES
 from recforge.tracking import TrackingStore
+from recforge.train.result import WorkerResult
 
 pytestmark = pytest.mark.slow
 
@@ -35,20 +36,20 @@ def _run(ctx):
 
 def test_train_task_runs_corun_and_offline(recforge_home):
     planned, out = _run(_ctx(recforge_home, "corun", "corun"))
-    corun = planned["corun"]
-    assert corun["schedule_path"].endswith("corun_schedule.json")
-    assert corun["mapping_path"] is None  # one worker: no input all-to-all to remove, so no mapping
-    schedule = json.loads(open(corun["schedule_path"]).read())
+    corun = planned.corun
+    assert corun.schedule_path.endswith("corun_schedule.json")
+    assert corun.mapping_path is None  # one worker: no input all-to-all to remove, so no mapping
+    schedule = json.loads(open(corun.schedule_path).read())
     # no profile was stored for this job: plan_resources profiled it, stored it, and RAP's scheduler used it
-    assert corun["profile"]["origin"] == "profiled"
-    key = ProfileKey.of(ModelConfig(), [tuple(t) for t in planned["tables"]], 1, 128, "cpu")
+    assert corun.profile.origin == "profiled"
+    key = ProfileKey.of(ModelConfig(), planned.tables, 1, 128, "cpu")
     profile = StageProfile.load(recforge_home / "rap" / "profiles", key)
-    assert corun["profile"]["key"] == key.slug() and profile.stage_ms == corun["profile"]["stage_ms"]
+    assert corun.profile.key == key.slug() and profile.stage_ms == corun.profile.stage_ms
     assert all(profile.stage_ms[s] > 0 for s in STAGES) and profile.meta["single_process"]
     meta = schedule["meta"]
     assert meta["source"] == f"RAP scheduler over stage profile {key.slug()}"  # not the one-stage fallback
     assert meta["stage_ms"] == profile.stage_ms and meta["capacity_ms"] == profile.capacity_ms
-    assert meta["predicted_iteration_ms"] == corun["predicted_iteration_ms"] == meta["simulated_iteration_ms"]["rap"]
+    assert meta["predicted_iteration_ms"] == corun.predicted_iteration_ms == meta["simulated_iteration_ms"]["rap"]
     assert meta["simulated_iteration_ms"]["ideal"] == pytest.approx(sum(profile.stage_ms.values()), abs=1e-3)
     assert meta["predicted_iteration_ms"] >= meta["simulated_iteration_ms"]["ideal"]
     assert schedule["assignments"] and all(a["predicted_ms"] > 0 for a in schedule["assignments"])  # timed
@@ -58,10 +59,9 @@ def test_train_task_runs_corun_and_offline(recforge_home):
     arts = {a.path for a in TrackingStore().client.list_artifacts(plan_run.info.run_id, "rap")}
     assert {"rap/stage_profile.json", "rap/stage_profile.png", "rap/schedule.json", "rap/schedule.png"} <= arts
 
-    worker = json.loads((recforge_home / "runs" / "recforge_daily" / "corun" / "train" / "worker" /
-                         "result.json").read_text())
-    rap = worker["rap"]
-    assert rap["steps"] == out["steps"] == 10  # 1200 rows in batches of 128
+    worker = WorkerResult.load(recforge_home / "runs" / "recforge_daily" / "corun" / "train" / "worker")
+    rap = worker.rap
+    assert rap["steps"] == out.steps == 10  # 1200 rows in batches of 128
     assert rap["batches"] == 10 and rap["measured_iteration_ms"] > 0
     assert set(rap["kernel_ms_by_stage"]) <= {a["stage"] for a in schedule["assignments"]}
     run = TrackingStore().stage_runs("recforge_daily", "corun")["train"]
@@ -76,10 +76,10 @@ def test_train_task_runs_corun_and_offline(recforge_home):
 
     # the same job with inline preprocessing trains to the same weights (the co-run ids are the ones consumed)
     _, inline = _run(_ctx(recforge_home, "inline", "inline"))
-    assert inline["steps"] == out["steps"]
+    assert inline.steps == out.steps
     # and with the whole training data preprocessed first (offline), to float tolerance (whole shards at once)
     _, offline = _run(_ctx(recforge_home, "offline", "offline"))
-    assert offline["steps"] == out["steps"]
+    assert offline.steps == out.steps
     probe = {k: torch.load(recforge_home / "runs" / "recforge_daily" / k / "train" / "worker" / "probe.pt")
              for k in ("corun", "inline", "offline")}
     assert torch.equal(probe["corun"]["logits"], probe["inline"]["logits"])
@@ -98,10 +98,10 @@ def test_corun_with_rap_mapping_on_two_workers(recforge_home):
     from recforge.rap.mapping.worker_mapping import load_mapping
 
     planned, out = _run(_ctx(recforge_home, "mapped", "corun", workers=2))  # corun.mapping's default: true
-    corun = planned["corun"]
-    assert corun["mapping_path"].endswith("corun_mapping.json")
-    mapping = [load_mapping(corun["mapping_path"], 2, r) for r in range(2)]
-    tables = {t for t, _ in planned["tables"]}
+    corun = planned.corun
+    assert corun.mapping_path.endswith("corun_mapping.json")
+    mapping = [load_mapping(corun.mapping_path, 2, r) for r in range(2)]
+    tables = {t for t, _ in planned.tables}
     assert set(mapping[0].placements) == tables
     held = {r: {t for t, p in mapping[0].placements.items() if p.kind != "data_parallel" and r in p.ranks}
             for r in range(2)}
@@ -111,23 +111,22 @@ def test_corun_with_rap_mapping_on_two_workers(recforge_home):
         if held[r]:
             assert jobs["global"].meta["rows"] == 2 * 128 and jobs["local"].meta["rows"] == 128
     # the job was profiled on 2 processes, collectives included
-    key = ProfileKey.of(ModelConfig(), [tuple(t) for t in planned["tables"]], 2, 128, "cpu")
+    key = ProfileKey.of(ModelConfig(), planned.tables, 2, 128, "cpu")
     profile = StageProfile.load(recforge_home / "rap" / "profiles", key)
-    assert corun["profile"]["origin"] == "profiled"
+    assert corun.profile.origin == "profiled"
     assert profile.meta["profiled_world_size"] == 2 and profile.meta["single_process"] is False
     assert all(profile.stage_ms[s] > 0 for s in STAGES)
-    assert corun["mapping"]["imbalance_after"] is not None
-    assert corun["mapping"]["predicted_iteration_ms"] > 0
-    worker = json.loads((recforge_home / "runs" / "recforge_daily" / "mapped" / "train" / "worker" /
-                         "result.json").read_text())
-    rap = worker["rap"]["mapped"]
+    assert corun.mapping.imbalance_after is not None
+    assert corun.mapping.predicted_iteration_ms > 0
+    worker = WorkerResult.load(recforge_home / "runs" / "recforge_daily" / "mapped" / "train" / "worker")
+    rap = worker.rap["mapped"]
     assert rap["input_all_to_all_used"] is False
     assert set(rap["global_features"]) == held[0]
-    assert {t: info["ranks"] for t, info in worker["sharding_plan"].items()} == \
+    assert {t: info.ranks for t, info in worker.sharding_plan.items()} == \
         {t: list(p.ranks) for t, p in mapping[0].placements.items()}
     # under the mapping a task is 2 global batches of 2 x 128 rows: per 600-row shard 512 + 88 -> 3 global batches
-    assert worker["samples_per_epoch"] == [1200] and out["steps"] == 6
-    assert worker["rap"]["batches"] == 6 and worker["rap"]["stages_opened_by_step"] > 0
+    assert worker.samples_per_epoch == [1200] and out.steps == 6
+    assert worker.rap["batches"] == 6 and worker.rap["stages_opened_by_step"] > 0
     run = TrackingStore().stage_runs("recforge_daily", "mapped")["plan_resources"]
     assert "rap_mapping_imbalance_after" in run.data.metrics
     arts = {a.path for a in TrackingStore().client.list_artifacts(run.info.run_id, "rap")}

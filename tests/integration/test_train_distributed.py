@@ -60,7 +60,8 @@ def _padded(sl):
     d, i, y = dense[sl], ids[sl], labels[sl]
     pad = BATCH - d.shape[0]
     w = torch.cat([torch.ones(d.shape[0]), torch.zeros(pad)])
-    return (torch.cat([d, torch.zeros(pad, NUM_DENSE)]), torch.cat([i, torch.zeros(pad, len(TABLES), dtype=torch.long)]),
+    return (torch.cat([d, torch.zeros(pad, NUM_DENSE)]),
+            torch.cat([i, torch.zeros(pad, len(TABLES), dtype=torch.long)]),
             torch.cat([y, torch.zeros(pad)]), w)
 
 
@@ -157,8 +158,8 @@ def job(tmp_path_factory):
     from recforge.data.generator import generate_days
     from recforge.data.ingest import ingest
     from recforge.data.manifest import Manifest
-    from recforge.elastic.job import run_training_job
     from recforge.elastic.backends.local import LocalBackend
+    from recforge.elastic.job import run_training_job
     from recforge.elastic.policy import StaticPolicy
     from recforge.preprocess.planning.plan import criteo_plan
     from recforge.tracking.store import TrackingStore
@@ -189,7 +190,8 @@ def job(tmp_path_factory):
     )
     return {
         "root": root, "ds": ds, "plan": plan, "model_cfg": model_cfg, "train": train, "manifest": manifest,
-        "report": report, "result": result, "store": store, "run_id": run_id, "worker": json.loads((root / "out" / "result.json").read_text()),
+        "report": report, "result": result, "store": store, "run_id": run_id,
+        "worker": json.loads((root / "out" / "result.json").read_text()),
     }
 
 
@@ -221,7 +223,8 @@ def test_embeddings_are_sharded_over_both_ranks(job):
     assert sorted(plan) == sorted(name for name, _ in job["plan"].tables())
     ranks = {r for v in plan.values() for r in v["ranks"]}
     assert ranks == {0, 1}
-    assert any(v["sharding_type"] in ("table_wise", "column_wise") and v["compute_kernel"] == "fused" for v in plan.values())
+    assert any(v["sharding_type"] in ("table_wise", "column_wise") and v["compute_kernel"] == "fused"
+               for v in plan.values())
 
 
 def test_world_size_2_checkpoint_loads_unsharded_with_the_trained_weights(job):
@@ -234,7 +237,8 @@ def test_world_size_2_checkpoint_loads_unsharded_with_the_trained_weights(job):
     assert read_meta(root / "ckpt")["world_size"] == 2
     model = load_unsharded(job["model_cfg"], plan.tables(), len(plan.dense_features()), root / "ckpt")
     probe = torch.load(root / "out" / "probe.pt")
-    raw = RawBatch.from_arrow(read_rows(root / "train", probe["shard"], probe["row_start"], probe["row_end"]), job["ds"])
+    rows = read_rows(root / "train", probe["shard"], probe["row_start"], probe["row_end"])
+    raw = RawBatch.from_arrow(rows, job["ds"])
     with torch.no_grad():
         dense, kjt = TorchExecutor(plan, job["ds"])(raw)
         logits = model(dense, kjt).reshape(-1)
@@ -250,8 +254,8 @@ def test_world_size_2_checkpoint_loads_unsharded_with_the_trained_weights(job):
 
 def test_held_out_auc_approaches_the_bayes_ceiling(job):
     from recforge.preprocess.executor import TorchExecutor
-    from recforge.train.recovery.checkpoint import load_unsharded
     from recforge.train.metrics import evaluate
+    from recforge.train.recovery.checkpoint import load_unsharded
 
     root, plan = job["root"], job["plan"]
     model = load_unsharded(job["model_cfg"], plan.tables(), len(plan.dense_features()), root / "ckpt")

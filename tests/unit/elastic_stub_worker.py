@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 
-
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     if spec.get("fail"):
@@ -28,10 +27,10 @@ def main(spec_path: str) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"running-{os.environ['RANK']}-{os.getpid()}").touch()
         time.sleep(3600)
-    import torch  # after the failure check: a failing launch stays quick
-    import torch.distributed as dist
+    import torch  # lazy: after the failure check, so a failing launch stays quick
+    import torch.distributed as dist  # lazy: as torch
 
-    from recforge.elastic.agent.client import MasterClient
+    from recforge.elastic.agent.client import MasterClient  # lazy: as torch
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

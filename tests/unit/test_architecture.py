@@ -143,6 +143,13 @@ def test_core_never_imports_a_seed_system() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_seed_systems_do_not_import_each_other() -> None:
+    """rap, elastic and recom share only core (and base): what two of them need in common lives there, and the
+    composition layer wires them together."""
+    bad = [w for (a, b), where in EDGES.items() if LAYERS[a] == 2 and LAYERS[b] == 2 for w in where]
+    assert not bad, "\n".join(bad)
+
+
 def test_imports_inside_functions_say_why() -> None:
     """An import inside a function keeps a heavy dependency off the DAG-parse path (or breaks a load-order
     knot); the line says which with a `# lazy:` comment."""
@@ -161,3 +168,16 @@ def test_the_checker_sees_imports_inside_functions() -> None:
     """Known edges, one written at module level and one inside a function, are both seen."""
     assert ("pipelines", "train") in EDGES
     assert any(inside for _, _, _, inside, _ in IMPORTS)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "dags").glob("*.py")) + sorted((ROOT / "plugins").glob("*.py")),
+                         ids=lambda p: p.name)
+def test_dag_and_plugin_files_only_wire(path: Path) -> None:
+    """DAG files compose tasks from recforge.pipelines, the plugin mounts recforge.ui: nothing else of recforge."""
+    allowed = "recforge.pipelines" if path.parent.name == "dags" else "recforge.ui"
+    visitor = _Imports()
+    visitor.visit(ast.parse(path.read_text()))
+    reached = {target for node, _ in visitor.found for target in _imported(node) if _top(target)}
+    assert reached, f"{path.name} imports nothing of recforge: is the checker looking at the right files?"
+    assert all(t.startswith(allowed + ".") for t in reached), f"{path.name} reaches past {allowed}: {sorted(reached)}"
+    assert not [n for n, inside in visitor.found if inside], f"{path.name} imports inside functions"

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import gzip
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -10,10 +10,18 @@ import pyarrow as pa
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from recforge.config import DatasetConfig, DenseFeature, SparseFeature, criteo_kaggle_dataset, wide_dataset
+from recforge.config import (
+    DatasetConfig,
+    DenseFeature,
+    PipelineConfig,
+    SparseFeature,
+    criteo_kaggle_dataset,
+    wide_dataset,
+)
 from recforge.data import Quarantine, auc, generate_days, ingest, read_criteo
 from recforge.data.generator import default_cardinality_scale, id_space
 from recforge.data.schema import arrow_schema
+from recforge.pipelines.dag_tasks import data_day_of
 
 DS = criteo_kaggle_dataset()
 SMALL = DatasetConfig(
@@ -57,10 +65,6 @@ def test_first_day_slides_the_window_over_one_hidden_model(tmp_path):
 
 
 def test_daily_dag_runs_draw_the_days_of_their_logical_date():
-    from datetime import datetime
-
-    from recforge.pipelines.dag_tasks import data_day_of
-
     class Run:  # the two attributes of an Airflow DagRun that data_day_of reads
         run_after = datetime(2026, 11, 30, 3, 0, tzinfo=UTC)
 
@@ -69,8 +73,6 @@ def test_daily_dag_runs_draw_the_days_of_their_logical_date():
     nxt = data_day_of({"logical_date": datetime(2026, 11, 30, tzinfo=UTC), "dag_run": Run()}, {"train_days": 2})
     assert nxt == day.date().toordinal() - 1  # tomorrow's run: its window slides by one day
     # a manual run without a logical date (Airflow 3) falls back to run_after; the default train_days applies
-    from recforge.config import PipelineConfig
-
     manual = data_day_of({"logical_date": None, "dag_run": Run()}, {})
     assert manual == Run.run_after.date().toordinal() - PipelineConfig().train_days
 

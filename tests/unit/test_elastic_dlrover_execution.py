@@ -131,7 +131,8 @@ def test_predicted_oom_relaunches_the_group_with_twice_the_gradient_accumulation
     (ev,) = [e for e in s.events if e.executed]
     assert ev.action == "relaunch_workers_more_memory" and "[executed: rescale 2 -> 2 worker(s)" in ev.reason
     # every task done exactly once across the two groups (the master refuses a second DONE)
-    assert result.master_state["rows_done_total"] == 2 * sum(SHARDS) and result.tasks_done == 2 * 6  # 6 tasks of <= 8 rows per epoch
+    # 6 tasks of <= 8 rows per epoch
+    assert result.master_state["rows_done_total"] == 2 * sum(SHARDS) and result.tasks_done == 2 * 6
 
 
 def test_supervisor_turns_decisions_into_scale_requests_and_reports_refusals(tmp_path):

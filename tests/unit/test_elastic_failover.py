@@ -3,7 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from recforge.elastic.master.failover import Failure, FailoverPolicy, is_collateral, is_oom, read_records, record_exception
+from recforge.elastic.master.failover import (
+    FailoverPolicy,
+    Failure,
+    is_collateral,
+    is_oom,
+    read_records,
+    record_exception,
+)
 
 
 def _raise(exc: BaseException):

@@ -12,10 +12,18 @@ import time
 import pytest
 
 from recforge.elastic.agent.flash_checkpoint import FlashPersister
-from recforge.train.recovery.layout import (
-    CHECKSUMS_FILE, META_FILE, candidates, disk_problem, done_marker, memory_problem, prune, step_name, write_checksums,
-)
 from recforge.train.ledger import Ledger, audit
+from recforge.train.recovery.layout import (
+    CHECKSUMS_FILE,
+    META_FILE,
+    candidates,
+    disk_problem,
+    done_marker,
+    memory_problem,
+    prune,
+    step_name,
+    write_checksums,
+)
 
 
 def snapshot(root, step, world=2, complete=True, size=1000):

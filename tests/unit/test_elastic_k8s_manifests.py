@@ -6,7 +6,13 @@ import copy
 import pytest
 
 from recforge.elastic.backends.k8s_manifests import (
-    JobPodSettings, PodResources, master_pod, rendezvous_service, selector, validate, worker_pod,
+    JobPodSettings,
+    PodResources,
+    master_pod,
+    rendezvous_service,
+    selector,
+    validate,
+    worker_pod,
 )
 from recforge.elastic.backends.kubernetes import backend_from_environment, memory_bytes, memory_quantity
 
@@ -38,7 +44,8 @@ def test_worker_pod_fields():
                              "--rdzv-endpoint=daily-1a2b-rdzv:29400", "--rdzv-id=daily-1a2b-l2", "--max-restarts=0"]
     assert p["metadata"]["name"] == "daily-1a2b-worker-1-l2"
     assert p["metadata"]["labels"]["recforge.io/launch"] == "2" and p["metadata"]["ownerReferences"][0]["controller"]
-    assert selector("daily-1a2b", 2) == "recforge.io/job=daily-1a2b,app.kubernetes.io/name=recforge-worker,recforge.io/launch=2"
+    assert selector("daily-1a2b", 2) == ("recforge.io/job=daily-1a2b,app.kubernetes.io/name=recforge-worker,"
+                                         "recforge.io/launch=2")
     side = pod(flash_agent={"memory_root": "/dev/shm/m", "disk_root": "/d"})["spec"]["containers"]
     assert [c["name"] for c in side] == ["worker", "flash-agent"]
     assert side[1]["args"][-2:] == ["/dev/shm/m", "/d"]

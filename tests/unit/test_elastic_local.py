@@ -15,8 +15,8 @@ import pytest
 
 from recforge.config import ResourceConfig
 from recforge.elastic.backends.base import Backend, JobFailedError
-from recforge.elastic.job import run_training_job
 from recforge.elastic.backends.local import LocalBackend
+from recforge.elastic.job import run_training_job
 from recforge.elastic.policy import JobInfo, OversubscriptionWarning, Policy, ResourcePlan, StaticPolicy
 
 HERE = Path(__file__).resolve().parent

@@ -209,7 +209,8 @@ def test_bad_request_is_an_error_not_a_retry():
 
 
 def test_shard_rows_from_manifest(tmp_path):
-    (tmp_path / "manifest.json").write_text(json.dumps({"shards": [{"path": "p0", "rows": 5}, {"path": "p1", "rows": 7}]}))
+    shards = [{"path": "p0", "rows": 5}, {"path": "p1", "rows": 7}]
+    (tmp_path / "manifest.json").write_text(json.dumps({"shards": shards}))
     assert shard_rows_from_manifest(tmp_path) == [5, 7]
     m = JobMaster.from_manifest(tmp_path, rows_per_task=4)
     assert len(m.queue.tasks()) == 4

@@ -5,8 +5,8 @@ import pytest
 
 from recforge.config import ResourceConfig
 from recforge.elastic.backends.base import JobFailedError
-from recforge.elastic.master.failover import FailoverPolicy
 from recforge.elastic.job import run_training_job
+from recforge.elastic.master.failover import FailoverPolicy
 from recforge.elastic.policy import StaticPolicy
 from test_elastic_local import SHARDS, stub_backend, stub_spec
 

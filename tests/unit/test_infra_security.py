@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from recforge.settings import jwt_secret
+
 REPO = Path(__file__).resolve().parents[2]
 ENV_SH = REPO / "scripts" / "env.sh"
 
@@ -38,8 +40,6 @@ def test_env_sh_generates_a_64_byte_jwt_secret_per_install_owner_only(tmp_path):
 
 
 def test_settings_generates_the_secret_with_the_same_strength(tmp_path):
-    from recforge.settings import jwt_secret
-
     secret = jwt_secret(tmp_path)
     assert re.fullmatch(r"[0-9a-f]{128}", secret) and jwt_secret(tmp_path) == secret
     assert stat.S_IMODE((tmp_path / "secrets" / "jwt_secret").stat().st_mode) == 0o600

@@ -44,8 +44,9 @@ def test_cold_start_plan_is_the_request_with_the_default_models_hint():
 
 def test_second_day_warm_starts_from_the_first_days_model_and_points():
     day1 = _plan()
-    events, model, ran = recommend_after_run(day1["state"], {"world_size": 2, "threads_per_worker": 1, "batch_size": 512,
-                                                            "samples_per_s": 20_000.0, "steps": 100, "wall_s": 30.0})
+    events, model, ran = recommend_after_run(day1["state"], {"world_size": 2, "threads_per_worker": 1,
+                                                            "batch_size": 512, "samples_per_s": 20_000.0,
+                                                            "steps": 100, "wall_s": 30.0})
     assert model is not None and model.predict(Allocation(2, 1.0, 512, host_cores=day1["state"]["job"]["host_cores"])) \
         == pytest.approx(20_000.0, rel=1e-6)  # the prior rescaled to what was measured
     assert all("not executed" in e.reason for e in events)
@@ -64,9 +65,11 @@ def test_stage1_refits_on_measured_points_of_past_runs():
                               extra={"points": [{"allocation": a.to_dict(), "samples_per_s": TRUE.predict(a) * 1.5},
                                                 {"allocation": {"bad": 1}, "samples_per_s": 3}]}))
     assert len(history_points(recs)) == 4  # the malformed point is skipped
-    ws = warm_start(JobDescription("d", "m", PodPlan(1, 1.0, GiB, 512)), InMemoryHistory(recs), JobLimits(cpu=64, memory=64 * GiB))
+    ws = warm_start(JobDescription("d", "m", PodPlan(1, 1.0, GiB, 512)), InMemoryHistory(recs),
+                    JobLimits(cpu=64, memory=64 * GiB))
     assert "refitted on 4 measured points" in ws.events[0].reason
-    assert ws.prior.predict(Allocation(2, 2.0, 512)) == pytest.approx(TRUE.predict(Allocation(2, 2.0, 512)) * 1.5, rel=0.1)
+    assert ws.prior.predict(Allocation(2, 2.0, 512)) == pytest.approx(TRUE.predict(Allocation(2, 2.0, 512)) * 1.5,
+                                                                      rel=0.1)
 
 
 def test_a_straggling_worker_in_the_run_is_flagged_and_no_throughput_is_a_fallback():

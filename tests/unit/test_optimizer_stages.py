@@ -113,7 +113,8 @@ def _exhaustive_best(plan, model, limits, cfg, job):
     for name, p in candidates(plan, True, True):
         if not limits.fits(p):
             continue
-        ratio = ((model.predict(p.allocation()) - base) / (plan_cost(p, cfg) - plan_cost(plan, cfg))) / (base / plan_cost(plan, cfg))
+        ratio = (((model.predict(p.allocation()) - base) / (plan_cost(p, cfg) - plan_cost(plan, cfg)))
+                 / (base / plan_cost(plan, cfg)))
         if best is None or ratio > best[0]:
             best = (ratio, name)
     return best

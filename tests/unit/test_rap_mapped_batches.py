@@ -140,7 +140,8 @@ def _worker(rank, port, manifest_dir, out_dir):
             else:
                 source = Unmapped(client, manifest_dir, DS, full, None, B, cpu, rank, WORLD, ledger=ledger)
             stats = train_epoch(sharded, source, empty(DS, B, full, cpu), LoopState(), epoch=0, world_size=WORLD,
-                                log_every=1, rank=rank, sink=lambda m, step: losses.append(m["train_loss"]))
+                                log_every=1, rank=rank,
+                                sink=lambda m, step, losses=losses: losses.append(m["train_loss"]))
             if session is not None:
                 session.close()
                 out["corun_summary"] = session.summary()

@@ -1,5 +1,5 @@
-"""A job's RAP mapping (recforge.rap.mapping.job_mapping): placements JSON, per-feature preprocessing costs, the MILP over a
-synthetic stage profile against TorchRec's planner, and clear errors."""
+"""A job's RAP mapping (recforge.rap.mapping.job_mapping): placements JSON, per-feature preprocessing costs, the MILP
+over a synthetic stage profile against TorchRec's planner, and clear errors."""
 from __future__ import annotations
 
 import json
@@ -24,7 +24,7 @@ from recforge.train.sharding import check_placements
 DS = DatasetConfig(
     name="small",
     dense=[DenseFeature(name=f"I{i}") for i in (1, 2)],
-    sparse=[SparseFeature(name=f"C{i}", cardinality=c) for i, c in zip((1, 2, 3), (50, 70, 1000))],
+    sparse=[SparseFeature(name=f"C{i}", cardinality=c) for i, c in zip((1, 2, 3), (50, 70, 1000), strict=True)],
 )
 
 
@@ -52,7 +52,7 @@ def synthetic_timer(group):
 
 
 def _profile(capacity_ms=0.1, world=WORLD, batch=BATCH):
-    stage_ms = dict(zip(STAGES, [0.4, 0.5, 0.7, 0.3, 0.2]))
+    stage_ms = dict(zip(STAGES, [0.4, 0.5, 0.7, 0.3, 0.2], strict=True))
     return StageProfile(key=ProfileKey.of(MODEL, TABLES, world, batch, "cpu"), stage_ms=stage_ms,
                         capacity_units={s: 1 for s in STAGES}, capacity_ms={s: capacity_ms / 5 for s in STAGES},
                         unit_ms=capacity_ms / 5, threshold=0.1)

@@ -111,7 +111,8 @@ def test_ensure_profile_reuses_a_stored_profile_and_logs_it(recforge_home, tmp_p
         ensure_profile(cfg, PLAN, 2, tmp_path / "no_manifest", tmp_path / "profiles", store, run)
 
 
-def test_profile_job_measures_the_real_model_stores_logs_and_reuses(manifest_dir, recforge_home, tmp_path):
+def test_profile_job_measures_the_real_model_stores_logs_and_reuses(manifest_dir, recforge_home,  # noqa: F811 (fixture)
+                                                                    tmp_path):
     from recforge.tracking import TrackingStore
 
     cfg = PipelineConfig(model=MODEL, train={"batch_size": 64}, seed=5)
@@ -144,8 +145,8 @@ def test_profile_job_measures_the_real_model_stores_logs_and_reuses(manifest_dir
 
 
 def test_a_failed_profiling_rank_ends_the_others_at_once():
-    """recforge.rap.profiling.profile_ranks: the first rank to fail is reported without waiting for the ones it left blocked,
-    and those are ended."""
+    """recforge.rap.profiling.profile_ranks: the first rank to fail is reported without waiting for the ones it left
+    blocked, and those are ended."""
     import subprocess
     import sys
     import time

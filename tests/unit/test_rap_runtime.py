@@ -102,7 +102,8 @@ def _train(mode: str, manifest_dir, compiled, schedule=None):
     torch.manual_seed(7)
     model = build_dlrm(ModelConfig(embedding_dim=8, dense_arch=[16, 8], over_arch=[16, 1]), PLAN.tables(),
                        len(PLAN.dense_features()))
-    sharded = shard_model(model, TrainConfig(batch_size=BATCH, sharding="table_wise"), world_size=1, device=torch.device("cpu"))
+    sharded = shard_model(model, TrainConfig(batch_size=BATCH, sharding="table_wise"), world_size=1,
+                          device=torch.device("cpu"))
     client, cpu = Client(), torch.device("cpu")
     executor = make_executor("fused", PLAN, DS, compiled=compiled)
     session = None
@@ -136,7 +137,8 @@ def test_corun_output_equals_fused_executor(compiled):
             raw = random_raw_batch(DS, 97, seed=seed)
             pending = runtime.launch(raw)
             if seed:
-                stepper = threading.Thread(target=lambda: [runtime.on_enter(s) for s in STAGES[:seed + 2]])
+                opened = STAGES[:seed + 2]
+                stepper = threading.Thread(target=lambda rt=runtime, opened=opened: [rt.on_enter(s) for s in opened])
                 stepper.start()
                 stepper.join()
             dense, kjt = pending.result()
@@ -304,7 +306,7 @@ def _assert_same(out, ref):
 
 def _mapped_runtime(mapped, make_schedule=spread_schedule):
     jobs = []
-    for compiled, job in zip(mapped, ("global", "local")):
+    for compiled, job in zip(mapped, ("global", "local"), strict=True):
         sched = make_schedule(compiled)
         sched.meta["job"] = job
         jobs.append((_executor(compiled), sched))
@@ -350,7 +352,7 @@ def test_jobs_equal_their_executors_with_gates_opened_by_a_training_step(mapped)
         pending._future.result(timeout=60)  # the step's gates alone let every kernel run
         outs = pending.results()
         assert len(outs) == 2
-        for out, ref, raw in zip(outs, refs, raws):
+        for out, ref, raw in zip(outs, refs, raws, strict=True):
             _assert_same(out, ref(raw))
         assert pending.timing.opened_by_step == list(STAGES)
     tracker.detach()
@@ -381,7 +383,7 @@ def test_jobs_without_a_step_run_as_leftovers(mapped):
             stepper = threading.Thread(target=lambda: [runtime.on_enter(s) for s in STAGES[:2]])
             stepper.start()
             stepper.join()
-        for out, ref, raw in zip(pending.results(), refs, raws):
+        for out, ref, raw in zip(pending.results(), refs, raws, strict=True):
             _assert_same(out, ref(raw))
         assert pending.timing.opened_by_step == list(STAGES[:2 * seed])
         # stage by stage, and within a stage job 0's parts before job 1's
@@ -404,7 +406,7 @@ def test_mapped_rank_schedules_run_on_the_runtime():
     assert sum(len({a.stage for a in s.assignments}) for _, s in jobs) > 2
     runtime = CorunRuntime(jobs=[(_executor(c), s) for c, s in jobs])
     raws = _mapped_raws(5)
-    for out, (compiled, _), raw in zip(runtime.launch_many(raws).results(), jobs, raws):
+    for out, (compiled, _), raw in zip(runtime.launch_many(raws).results(), jobs, raws, strict=True):
         _assert_same(out, _executor(compiled)(raw))
     summary = runtime.summary()
     assert summary["predicted_kernel_ms"] == pytest.approx(sum(a.predicted_ms for _, s in jobs for a in s.assignments),
@@ -429,7 +431,8 @@ def test_single_job_runtime_through_jobs(compiled):
 
 def test_bad_jobs_and_raws_are_named(mapped):
     global_c, local_c = mapped
-    whole = [whole_kernel_schedule(c, "allreduce", meta={"job": job}) for c, job in zip(mapped, ("global", "local"))]
+    whole = [whole_kernel_schedule(c, "allreduce", meta={"job": job})
+             for c, job in zip(mapped, ("global", "local"), strict=True)]
     # job 1's schedule names a fused group of job 0
     foreign = global_c.groups[1].name
     bad = CorunSchedule(STAGES, [*whole[1].assignments, Assignment("allreduce", foreign, ("C1",), 0.0)],
@@ -462,7 +465,7 @@ def test_bad_jobs_and_raws_are_named(mapped):
     with pytest.raises(BatchError, match=r"job 1 \('local'\): raw batch has 2 dense columns"):
         runtime.launch_many([global_raw, narrow])
     with pytest.raises(AttributeError, match=r"2 jobs \['global', 'local'\]; use runtime.jobs\[i\].executor"):
-        runtime.executor
+        _ = runtime.executor
     pending = runtime.launch_many([global_raw, local_raw])
     with pytest.raises(ValueError, match="results"):
         pending.result()

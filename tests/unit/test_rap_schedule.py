@@ -26,7 +26,7 @@ from recforge.rap.profiling.stages import STAGES
 DS = DatasetConfig(
     name="small",
     dense=[DenseFeature(name=f"I{i}") for i in (1, 2, 3)],
-    sparse=[SparseFeature(name=f"C{i}", cardinality=c) for i, c in zip((1, 2, 3), (50, 70, 1000))],
+    sparse=[SparseFeature(name=f"C{i}", cardinality=c) for i, c in zip((1, 2, 3), (50, 70, 1000), strict=True)],
 )
 
 
@@ -38,7 +38,8 @@ def _f(name, kind, source, *ops):
 PLAN = Plan.model_validate({"name": "tiny", "features": [
     *[_f(f"I{i}", "dense", f"I{i}", ("fill_null", {"value": 0}), ("logit", {"eps": 1e-5})) for i in (1, 2, 3)],
     _f("C1a", "sparse", "C1", ("fill_null", {"value": 0}), ("sigrid_hash", {"salt": 0, "M": 50}), ("firstx", {"X": 1})),
-    _f("C1b", "sparse", "C1", ("fill_null", {"value": 0}), ("sigrid_hash", {"salt": 0, "M": 50}), ("clamp", {"lo": 0, "hi": 9})),
+    _f("C1b", "sparse", "C1", ("fill_null", {"value": 0}), ("sigrid_hash", {"salt": 0, "M": 50}),
+       ("clamp", {"lo": 0, "hi": 9})),
     *[_f(f"C{i}", "sparse", f"C{i}", ("fill_null", {"value": 0}), ("sigrid_hash", {"salt": 1, "M": 40}),
          ("firstx", {"X": 1})) for i in (2, 3)],
 ]})

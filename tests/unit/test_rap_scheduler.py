@@ -43,7 +43,7 @@ def _best_within_capacity(weights, overhead, stages, capacity):
     best = 0
     for cuts in itertools.combinations_with_replacement(range(len(flat) + 1), len(stages)):
         start, ok = 0, True
-        for s, end in zip(stages, cuts):
+        for s, end in zip(stages, cuts, strict=True):
             if segment_cost(start, end) > capacity[s] + 1e-12:
                 ok = False
                 break
@@ -86,8 +86,8 @@ def test_leftovers_go_into_the_last_taken_stage():
 
 
 def test_stage_ranking_and_selection():
-    dur = dict(zip(STAGES, [1.0, 2.0, 2.0, 1.0, 1.0]))
-    cap = dict(zip(STAGES, [0.5, 0.4, 3.0, 0.0, 2.0]))
+    dur = dict(zip(STAGES, [1.0, 2.0, 2.0, 1.0, 1.0], strict=True))
+    cap = dict(zip(STAGES, [0.5, 0.4, 3.0, 0.0, 2.0], strict=True))
     assert rank_stages(dur, cap) == ["allreduce", "mlp_bwd", "emb_fwd", "mlp_fwd", "emb_bwd"]
     assert select_stages(dur, cap, 1.5) == (["allreduce"], False)
     assert select_stages(dur, cap, 4.0) == (["mlp_bwd", "allreduce"], False)
@@ -95,7 +95,8 @@ def test_stage_ranking_and_selection():
     assert rank_stages({**dur, "emb_fwd": 0.0}, cap)[0] == "emb_fwd"  # capacity in no time: infinite intensity
 
 
-FLAT = CostModel({op: [0.01, 0.0, 1e-5, 0.0, 0.0] for op in ("fill_null", "logit", "sigrid_hash", "firstx", "bucketize")})
+FLAT = CostModel({op: [0.01, 0.0, 1e-5, 0.0, 0.0]
+                  for op in ("fill_null", "logit", "sigrid_hash", "firstx", "bucketize")})
 
 
 def test_schedule_of_a_real_plan_is_valid_and_splits_at_the_edge():

@@ -16,8 +16,8 @@ from recforge.rap.planning.simulator import METHODS, RankStages, SimSetup, cost_
 from recforge.rap.profiling.cost_model import CostModel
 from recforge.rap.profiling.stages import STAGES
 
-STAGE_MS = dict(zip(STAGES, [0.93, 1.92, 2.86, 0.99, 1.37]))
-CAPACITY_UNITS = dict(zip(STAGES, [24, 28, 52, 30, 64]))
+STAGE_MS = dict(zip(STAGES, [0.93, 1.92, 2.86, 0.99, 1.37], strict=True))
+CAPACITY_UNITS = dict(zip(STAGES, [24, 28, 52, 30, 64], strict=True))
 TABLE_MAPPING_4 = [1, 1, 3, 2, 2, 2, 3, 1, 1, 3, 1, 3, 0, 0, 1, 3, 1, 2, 3, 0, 0, 2, 2, 0, 0, 2, 0]
 OPS = ("fill_null", "logit", "sigrid_hash", "firstx", "bucketize")
 # 0.02 ms per launch, 8.5e-7 ms per feature-row: GPU 0's fused kernels (13 dense over 4096 rows, 7 sparse over
@@ -27,7 +27,8 @@ ARTIFACT_LIKE = CostModel({op: [0.02, 0.0, 8.5e-7, 0.0, 0.0] for op in OPS})
 
 def _setup(unit_ms: float, input_comm_ms: float = 0.3) -> SimSetup:
     plan = load_plan("plan0")
-    placements = {f: Placement("table_wise", (r,)) for f, r in zip(plan.sparse_features(), TABLE_MAPPING_4)}
+    placements = {f: Placement("table_wise", (r,))
+                  for f, r in zip(plan.sparse_features(), TABLE_MAPPING_4, strict=True)}
     rank = RankStages(STAGE_MS, {s: u * unit_ms for s, u in CAPACITY_UNITS.items()})
     return SimSetup(plan=plan, placements=placements, batch_size=4096, ranks=[rank] * 4,
                     kernel_cost=cost_model_kernel_cost(ARTIFACT_LIKE), input_comm_ms=input_comm_ms)

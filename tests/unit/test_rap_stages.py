@@ -115,7 +115,7 @@ def test_detach_removes_every_hook_and_training_is_unchanged():
         opts[0].step()
         opts[0].zero_grad()
         _step(tracked, opts[1], tracker, seed)
-    for a, b in zip(ref.state_dict().values(), tracked.state_dict().values()):
+    for a, b in zip(ref.state_dict().values(), tracked.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     tracker.detach()
     before = len(log.events)

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 
 from recforge.elastic.optimizer.memory_model import (
-    GiB, MemoryModel, MemorySample, MemoryTrend, embedding_shard_bytes, next_memory,
+    GiB,
+    MemoryModel,
+    MemorySample,
+    MemoryTrend,
+    embedding_shard_bytes,
+    next_memory,
 )
 from recforge.elastic.optimizer.throughput_model import ModelFitError
 
@@ -54,7 +59,7 @@ def test_embedding_shard_bytes_matches_brute_force_best_greedy_placement():
         tables = list(rng.integers(1, 100, size=6).astype(float))
         for w in (1, 2, 3):
             got = embedding_shard_bytes(tables, w)
-            optimum = min(max(sum(t for t, a in zip(tables, assign) if a == k) for k in range(w))
+            optimum = min(max(sum(t for t, a in zip(tables, assign, strict=True) if a == k) for k in range(w))
                           for assign in itertools.product(range(w), repeat=len(tables)))
             assert optimum <= got <= optimum * 4 / 3 + 1e-9  # LPT's bound
     assert embedding_shard_bytes([5.0, 3.0], 1) == 8.0

@@ -8,8 +8,17 @@ import numpy as np
 import pytest
 
 from recforge.elastic.optimizer.throughput_model import (
-    PS_TERMS, Allocation, ModelFitError, OnlineThroughputModel, Sample, ThroughputModel, cross_validate,
-    design_matrix, fit, mape, select_terms,
+    PS_TERMS,
+    Allocation,
+    ModelFitError,
+    OnlineThroughputModel,
+    Sample,
+    ThroughputModel,
+    cross_validate,
+    design_matrix,
+    fit,
+    mape,
+    select_terms,
 )
 
 TRUE = ThroughputModel(("const", "b_per_cpu", "w"), (0.01, 2e-4, 0.003))
@@ -35,7 +44,7 @@ def test_fit_matches_a_plain_nonnegative_least_squares_reference():
     samples = _grid(noise=0.1, seed=3)
     terms = ("const", "b_per_cpu", "b", "w")
     allocs = [s.allocation for s in samples]
-    t = np.array([a.workers * a.batch_size / s.samples_per_s for a, s in zip(allocs, samples)])
+    t = np.array([a.workers * a.batch_size / s.samples_per_s for a, s in zip(allocs, samples, strict=True)])
     X = design_matrix(allocs, terms) / t[:, None]
     y = np.ones(len(t))
     best = None

@@ -1,4 +1,5 @@
-"""The model fitted on the committed measurements of our trainer (elastic/optimizer/profiles/): deterministic, no re-measuring."""
+"""The model fitted on the committed measurements of our trainer (elastic/optimizer/profiles/): deterministic,
+no re-measuring."""
 from __future__ import annotations
 
 import json
@@ -6,7 +7,13 @@ import json
 import pytest
 
 from recforge.elastic.optimizer.throughput_model import (
-    DEFAULT_PROFILE, LOCAL_CANDIDATES, ModelFitError, cross_validate, fit, fit_profile, load_profile,
+    DEFAULT_PROFILE,
+    LOCAL_CANDIDATES,
+    ModelFitError,
+    cross_validate,
+    fit,
+    fit_profile,
+    load_profile,
 )
 
 
@@ -56,7 +63,8 @@ def test_reweighted_fit_beats_the_plain_relative_step_time_fit_on_real_data():
     terms = fit_profile(samples).model.terms
     assert cross_validate(samples, terms) < sum(
         abs(m - s.samples_per_s) / s.samples_per_s
-        for s, m in [(s, fit([x for x in samples if x is not s], terms, irls_iters=0).predict(s.allocation)) for s in samples]
+        for s, m in [(s, fit([x for x in samples if x is not s], terms, irls_iters=0).predict(s.allocation))
+                     for s in samples]
     ) / len(samples)
 
 

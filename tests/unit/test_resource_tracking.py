@@ -1,4 +1,5 @@
-"""Fitted resource models in MLflow: the pyfunc predicts like the model, history reads them back, bad artifacts fall back."""
+"""Fitted resource models in MLflow: the pyfunc predicts like the model, history reads them back, bad artifacts
+fall back."""
 from __future__ import annotations
 
 import json
@@ -28,9 +29,9 @@ def _logged_run(store, dataset="criteo_kaggle", family="dlrm"):
 
     run_id = store.stage_run("test_exp", "k1", f"train-{dataset}-{family}")
     pts = [Sample(Allocation(w, 1.0, 512), MODEL.predict(Allocation(w, 1.0, 512)) * 1.03) for w in (1, 2, 3)]
-    uri = log_resource_model(store, run_id, model=MODEL, dataset=dataset, model_family=family, final_plan=PLAN.to_dict(),
-                             memory=MEM, samples_per_s=1234.0, peak_memory_bytes=2 * GiB, points=pts,
-                             held_out=pts[:1], metrics={"held_out_mape": 0.1})
+    uri = log_resource_model(store, run_id, model=MODEL, dataset=dataset, model_family=family,
+                             final_plan=PLAN.to_dict(), memory=MEM, samples_per_s=1234.0, peak_memory_bytes=2 * GiB,
+                             points=pts, held_out=pts[:1], metrics={"held_out_mape": 0.1})
     store.finish(run_id)
     return run_id, uri
 

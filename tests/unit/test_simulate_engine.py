@@ -6,12 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from recforge.elastic.simulate import run_comparison
+from recforge.elastic.simulate import run_comparison, truth
 from recforge.elastic.simulate.cluster import Cluster, ClusterSpec
 from recforge.elastic.simulate.engine import SimParams, simulate
 from recforge.elastic.simulate.policies import make_policy
 from recforge.elastic.simulate.trace import MISCONFIG, TraceParams, generate_trace
-from recforge.elastic.simulate import truth
 
 SMALL = TraceParams(n_jobs=60, arrival_window_h=6.0, n_scenarios=8)
 CLUSTER = ClusterSpec(nodes=12)
@@ -38,12 +37,14 @@ def test_every_job_ends_and_the_accounting_is_consistent():
 def test_static_policy_never_changes_a_plan_and_dlrover_decides_with_events():
     static, dl = run_comparison(SMALL, cluster=CLUSTER, policies=("static", "dlrover"), seed=2)
     assert static["plan_changes"] == 0 and static["decisions"] == {}
-    assert dl["decisions"].get("warm_start.cold_start", 0) + dl["decisions"].get("warm_start.initial_plan", 0) == SMALL.n_jobs
+    decisions = dl["decisions"]
+    assert decisions.get("warm_start.cold_start", 0) + decisions.get("warm_start.initial_plan", 0) == SMALL.n_jobs
     assert any(k.startswith("runtime.") for k in dl["decisions"])
 
 
 def test_a_lone_job_on_an_empty_cluster_finishes_when_the_truth_says():
-    job = generate_trace(replace(SMALL, n_jobs=1, p_straggler=0.0, p_hot_server=0.0, misconfig={"reasonable": 1.0}), seed=5)
+    job = generate_trace(replace(SMALL, n_jobs=1, p_straggler=0.0, p_hot_server=0.0, misconfig={"reasonable": 1.0}),
+                         seed=5)
     job[0].request["memory_per_server"] = 1e13 / 1e3  # plenty: no OOM
     job[0].request["memory_per_worker"] = max(job[0].request["memory_per_worker"], job[0].worker_mem * 2)
     r = simulate(job, make_policy("static"), cluster=ClusterSpec(nodes=50, memory_per_node=1e13), params=SimParams())
@@ -55,7 +56,8 @@ def test_a_lone_job_on_an_empty_cluster_finishes_when_the_truth_says():
 
 
 def test_static_jobs_that_outgrow_their_memory_fail_after_the_restart_limit_dlrover_prevents_it():
-    tp = replace(SMALL, n_jobs=20, misconfig={"low_memory": 1.0}, p_straggler=0.0, p_hot_server=0.0, eviction_per_node_h=0.0)
+    tp = replace(SMALL, n_jobs=20, misconfig={"low_memory": 1.0}, p_straggler=0.0, p_hot_server=0.0,
+                 eviction_per_node_h=0.0)
     static, dl = run_comparison(tp, cluster=ClusterSpec(nodes=40), policies=("static", "dlrover"), seed=0)
     assert static["failures"].get("out of memory", 0) >= 15
     assert dl["completion_rate"] > static["completion_rate"] + 0.5

@@ -5,10 +5,24 @@ import math
 
 import pytest
 
+from recforge.elastic.job import JobResult
+from recforge.elastic.policy import ResourcePlan
 from recforge.pipelines.context import RunContext, StageWriter
 from recforge.pipelines.outputs import (
-    STAGE_OUTPUTS, CompileOutputs, CorunPlan, DLRoverRun, EvaluateOutputs, GenerateOutputs, IngestOutputs,
-    JobRecord, OutputsError, PlanOutputs, PublishOutputs, SplitOutputs, StageOutputs, TrainOutputs,
+    STAGE_OUTPUTS,
+    CompileOutputs,
+    CorunPlan,
+    DLRoverRun,
+    EvaluateOutputs,
+    GenerateOutputs,
+    IngestOutputs,
+    JobRecord,
+    OutputsError,
+    PlanOutputs,
+    PublishOutputs,
+    SplitOutputs,
+    StageOutputs,
+    TrainOutputs,
 )
 from recforge.pipelines.runner import STAGES
 
@@ -97,9 +111,6 @@ def test_a_stage_commits_only_its_own_model(tmp_path):
 
 
 def test_the_job_record_reads_the_job_runners_result():
-    from recforge.elastic.job import JobResult
-    from recforge.elastic.policy import ResourcePlan
-
     result = JobResult(exit_code=0, plan=ResourcePlan(3, 2), finished=True, tasks_done=5, samples=100,
                        per_worker={}, poisoned=[], master_state={"epoch": 1}, restarts=1)
     record = JobRecord.model_validate(result)

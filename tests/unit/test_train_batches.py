@@ -69,10 +69,12 @@ def test_rows_padding_and_done_reports(manifest_dir):
     # t0: 50 rows -> 2 batches, t1 empty (done at once), t2: 70 rows -> 3 batches, t3: 10 rows -> 1 batch
     assert batches == 6
     assert src.next() is None  # stays exhausted without asking the master again
-    assert [e for e in client.events if e[0] == "done"] == [("done", "t0", 50), ("done", "t1", 0), ("done", "t2", 70), ("done", "t3", 10)]
+    assert [e for e in client.events if e[0] == "done"] == [
+        ("done", "t0", 50), ("done", "t1", 0), ("done", "t2", 70), ("done", "t3", 10)]
     assert src.tasks_done == 3
     expected = torch.cat([
-        RawBatch.from_arrow(read_rows(manifest_dir, s, a, e), DS).label for s, a, e in [(0, 0, 50), (1, 30, 100), (0, 120, 130)]
+        RawBatch.from_arrow(read_rows(manifest_dir, s, a, e), DS).label
+        for s, a, e in [(0, 0, 50), (1, 30, 100), (0, 120, 130)]
     ])
     torch.testing.assert_close(torch.cat(seen_labels), expected)
 

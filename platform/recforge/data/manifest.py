@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -94,6 +95,20 @@ class Manifest(_Strict):
         total = sum(s.rows for s in self.shards)
         if total != self.total_rows:
             raise DataError(f"manifest total_rows is {self.total_rows} but its shards hold {total} rows")
+
+
+def shard_rows_from_manifest(manifest_dir: str | Path) -> list[int]:
+    """Row counts of a data manifest's shards (`manifest.json`: shards[*].rows), read as plain JSON: what a job
+    master or a profiler needs to split the data into tasks, without validating the whole manifest."""
+    path = Path(manifest_dir) / MANIFEST_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"manifest not found: {path}")
+    data = json.loads(path.read_text())
+    try:
+        rows = [int(s["rows"]) for s in data["shards"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: expected shards[*].rows integers ({e!r})") from e
+    return rows
 
 
 def file_sha256(path: str | Path) -> str:

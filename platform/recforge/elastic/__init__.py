@@ -1,4 +1,5 @@
-"""DLRover-RM style elastic training: the job master and its runtime, the worker-side agent, launch backends, the resource optimizer."""
+"""DLRover-RM style elastic training: the job master and its runtime, the worker-side agent, launch backends,
+the resource optimizer."""
 from __future__ import annotations
 
 import importlib

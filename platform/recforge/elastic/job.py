@@ -1,7 +1,7 @@
 """run_training_job: master + policy + backend for one training job.
 
 It knows nothing about the worker's internals: it fills `master_url` and `threads_per_worker` into
-the worker spec (a plain dict, validated by the worker as recforge.train.spec.WorkerSpec), writes it
+the worker spec (a recforge.train.spec.WorkerSpec, or a plain mapping for another worker program), writes it
 as JSON, launches the workers through the backend, waits, and returns the master's statistics.
 
 Failures and elasticity (recforge.elastic.master.supervisor): the supervisor relaunches a failed group per
@@ -17,16 +17,22 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, cast
 
 from recforge.config import ResourceConfig
+from recforge.elastic.agent.flash_checkpoint import FlashPersister
 from recforge.elastic.backends.base import Backend, JobFailedError
+from recforge.elastic.backends.kubernetes import backend_from_environment
+from recforge.elastic.backends.local import LocalBackend
 from recforge.elastic.master.failover import FailoverPolicy
 from recforge.elastic.master.service import JobMaster
-from recforge.elastic.policy import JobInfo, Policy, ResourcePlan, StaticPolicy
 from recforge.elastic.master.supervisor import Scaler, Supervisor
+from recforge.elastic.policy import JobInfo, Policy, ResourcePlan, StaticPolicy
+from recforge.train.recovery.spec import RecoverySpec
+from recforge.train.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -57,26 +63,23 @@ def default_policy(resources: ResourceConfig) -> Policy:
     if resources.policy == "static":
         return StaticPolicy(resources)
     if resources.policy == "dlrover":  # stage 1 without history (cold start); the pipeline passes MLflow history
-        from recforge.elastic.optimizer import DLRoverPolicy, local_default_model
+        from recforge.elastic.optimizer import DLRoverPolicy, local_default_model  # lazy: scipy, for policy dlrover
         return DLRoverPolicy(default_model=local_default_model())
     raise NotImplementedError(f"resources.policy={resources.policy!r} is not implemented yet; use 'static'")
 
 
 def default_backend(resources: ResourceConfig, state_dir: Path) -> Backend:
     if resources.backend == "local":
-        from recforge.elastic.backends.local import LocalBackend
-
         # torchrun restarts nothing itself: every relaunch goes through the failover policy (one budget)
         return LocalBackend(max_restarts=0, log_dir=state_dir)
     if resources.backend == "kubernetes":
-        from recforge.elastic.backends.kubernetes import backend_from_environment
-
         return backend_from_environment(state_dir)
-    raise NotImplementedError(f"resources.backend={resources.backend!r} is not implemented; use 'local' or 'kubernetes'")
+    raise NotImplementedError(
+        f"resources.backend={resources.backend!r} is not implemented; use 'local' or 'kubernetes'")
 
 
 def run_training_job(
-    spec: Mapping[str, Any],
+    spec: WorkerSpec | Mapping[str, Any],
     shard_rows: Sequence[int],
     *,
     resources: ResourceConfig,
@@ -97,7 +100,8 @@ def run_training_job(
 ) -> JobResult:
     """Run one training job to the end.
 
-    `spec`: the worker spec without `master_url`; `rows_per_task`, `epochs` and `lease_timeout_s`
+    `spec`: the worker spec without `master_url` (a WorkerSpec, validated again with each launch's fields; a plain
+    mapping for another worker program, e.g. the tests' stub); `rows_per_task`, `epochs` and `lease_timeout_s`
     default to spec["train"]'s batch_size * batches_per_task, epochs and lease_timeout_s.
     `state_dir` holds the spec, the master's state file and the workers' log; with `resume`, an
     existing state file there makes the job continue where it stopped (its in-flight tasks go back
@@ -112,7 +116,8 @@ def run_training_job(
     """
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    train = dict(spec.get("train") or {})
+    raw: dict[str, Any] = spec.model_dump(mode="json") if isinstance(spec, WorkerSpec) else dict(spec)
+    train = dict(raw.get("train") or {})
     if rows_per_task is None:
         if "batch_size" not in train or "batches_per_task" not in train:
             raise ValueError("rows_per_task not given and spec['train'] lacks batch_size / batches_per_task")
@@ -122,10 +127,11 @@ def run_training_job(
 
     policy = policy or default_policy(resources)
     backend = backend or default_backend(resources, state_dir)
-    plan = policy.plan(JobInfo(shard_rows=list(shard_rows), epochs=epochs, rows_per_task=rows_per_task, resources=resources))
+    plan = policy.plan(JobInfo(shard_rows=list(shard_rows), epochs=epochs, rows_per_task=rows_per_task,
+                               resources=resources))
 
     state_file = state_dir / STATE_FILE
-    recovery = _recovery(spec)
+    recovery = _recovery(raw)
     first_generation = 0
     if resume and state_file.exists():  # generations stay unique across runs of one job (ledgers, lockout)
         try:
@@ -146,9 +152,12 @@ def run_training_job(
         oom_action="more_memory" if hasattr(backend, "grow_memory") else "accumulate",
     )
     if scaler is None and getattr(policy, "warm", None) is not None and hasattr(policy, "runtime"):
-        from recforge.elastic.master.dlrover_scaler import DLRoverScaler
+        from recforge.elastic.master.dlrover_scaler import DLRoverScaler  # lazy: scipy, for policy dlrover
+        from recforge.elastic.optimizer import DLRoverPolicy  # lazy: scipy, for policy dlrover
 
-        scaler = DLRoverScaler(policy, memory_action="more_memory" if hasattr(backend, "grow_memory") else "accumulate")
+        # a policy with a stage-1 plan and a runtime stage is a DLRoverPolicy (checked by duck type above)
+        scaler = DLRoverScaler(cast(DLRoverPolicy, policy),
+                               memory_action="more_memory" if hasattr(backend, "grow_memory") else "accumulate")
     poll_s = min(poll_s, float(getattr(scaler, "min_interval_s", poll_s)))  # a profiler polls at its own pace
     bind, advertise = getattr(backend, "master_hosts", ("127.0.0.1", "127.0.0.1"))
     master = JobMaster(
@@ -160,18 +169,18 @@ def run_training_job(
     spec_path = state_dir / SPEC_FILE
     persister = None
     if recovery["flash"]:
-        from recforge.elastic.agent.flash_checkpoint import FlashPersister
-
         persister = FlashPersister(recovery["memory_root"], recovery["disk_root"], keep=recovery["keep"]).start()
 
-    global_batch = (spec.get("recovery") or {}).get("global_batch") or plan.workers * int(train.get("batch_size", 1))
+    global_batch = (raw.get("recovery") or {}).get("global_batch") or plan.workers * int(train.get("batch_size", 1))
 
     def write_spec(generation_base: int, grad_accumulation: int, launch_plan: ResourcePlan) -> Path:
-        rec = {**dict(spec.get("recovery") or {}), "generation_base": generation_base,
+        rec = {**dict(raw.get("recovery") or {}), "generation_base": generation_base,
                "grad_accumulation": grad_accumulation, "global_batch": global_batch,
                "failures_dir": str(failures_dir), "flash_agent": persister is not None}
-        full_spec = {**dict(spec), "master_url": master.url, "threads_per_worker": launch_plan.threads_per_worker,
+        full_spec = {**raw, "master_url": master.url, "threads_per_worker": launch_plan.threads_per_worker,
                      "recovery": rec}
+        if isinstance(spec, WorkerSpec):  # validated before any rank reads it
+            return WorkerSpec.model_validate(full_spec).save(spec_path)
         tmp = spec_path.with_name(spec_path.name + ".tmp")
         tmp.write_text(json.dumps(full_spec, indent=2, default=str))
         os.replace(tmp, spec_path)
@@ -239,8 +248,6 @@ def run_training_job(
 
 def _recovery(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Where the spec's step checkpoints live (empty when it has no checkpoint_dir, e.g. a stub worker)."""
-    from recforge.train.recovery.spec import RecoverySpec
-
     rec = RecoverySpec.model_validate(spec.get("recovery") or {})
     if not spec.get("checkpoint_dir"):
         return {"flash": False, "roots": [], "keep": rec.keep_checkpoints}

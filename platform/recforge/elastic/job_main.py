@@ -21,6 +21,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from recforge.config import ResourceConfig
+from recforge.data.manifest import shard_rows_from_manifest
+from recforge.elastic.job import run_training_job
 
 XCOM_DIR = Path("/airflow/xcom")
 
@@ -37,17 +39,18 @@ class TrainingJob(BaseModel):
     resume: bool = True
 
     @model_validator(mode="after")
-    def _data(self) -> "TrainingJob":
+    def _data(self) -> TrainingJob:
         if (self.manifest_dir is None) == (self.shard_rows is None):
             raise ValueError("give exactly one of manifest_dir and shard_rows")
         return self
 
 
 def run(job: TrainingJob) -> dict[str, Any]:
-    from recforge.elastic.job import run_training_job
-    from recforge.elastic.master.service import shard_rows_from_manifest
-
-    rows = job.shard_rows if job.shard_rows is not None else shard_rows_from_manifest(job.manifest_dir)
+    if job.shard_rows is not None:
+        rows = job.shard_rows
+    else:
+        assert job.manifest_dir is not None  # the model's validator requires one of the two
+        rows = shard_rows_from_manifest(job.manifest_dir)
     result = run_training_job(job.spec, rows, resources=job.resources, state_dir=job.state_dir,
                               timeout_s=job.timeout_s, resume=job.resume)
     doc = {k: v for k, v in asdict(result).items() if k != "master_state"}

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from recforge.config import PipelineConfig
-from recforge.pipelines.outputs import STAGE_OUTPUTS, O, parse_outputs
+from recforge.pipelines.outputs import OutputsT, parse_outputs
 from recforge.settings import recforge_home
 
 EXPERIMENT = "recforge_daily"
@@ -35,7 +35,7 @@ class RunContext:
     data_day: int = 0
 
     @classmethod
-    def create(cls, run_key: str, config: dict[str, Any] | PipelineConfig, **kw) -> "RunContext":
+    def create(cls, run_key: str, config: dict[str, Any] | PipelineConfig, **kw) -> RunContext:
         cfg = config if isinstance(config, PipelineConfig) else PipelineConfig.model_validate(config)
         return cls(run_key=run_key_from(run_key), config=cfg, **kw)
 
@@ -46,7 +46,7 @@ class RunContext:
     def stage_dir(self, stage: str) -> Path:
         return self.run_dir / stage
 
-    def read(self, model: type[O]) -> O:
+    def read(self, model: type[OutputsT]) -> OutputsT:
         """The recorded outputs of a finished stage as its model (`ctx.read(IngestOutputs)`); a later stage reads
         only these. A missing file is FileNotFoundError, one that does not validate OutputsError naming the fields."""
         stage = model.stage
@@ -54,9 +54,6 @@ class RunContext:
         if not path.exists():
             raise FileNotFoundError(f"stage {stage!r} of run {self.run_key} has no recorded outputs at {path}")
         return parse_outputs(model, path.read_text(), f"stage {stage!r} of run {self.run_key} ({path})")
-
-    def outputs(self, stage: str) -> dict[str, Any]:  # TRANSITIONAL: until plan_stage/train_stage read models
-        return self.read(STAGE_OUTPUTS[stage]).model_dump(mode="json")
 
 
 class StageWriter:
@@ -69,7 +66,7 @@ class StageWriter:
             shutil.rmtree(self.tmp)
         self.tmp.mkdir(parents=True)
 
-    def commit(self, outputs: O) -> O:
+    def commit(self, outputs: OutputsT) -> OutputsT:
         """Write `outputs` as the stage's outputs.json and swap the stage in; returns them as read back."""
         if type(outputs).stage != self.final.name:
             raise TypeError(f"stage {self.final.name!r} cannot commit {type(outputs).__name__} "

@@ -249,10 +249,10 @@ def problems(e: ValidationError) -> str:
     return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}" for err in e.errors())
 
 
-O = TypeVar("O", bound=StageOutputs)
+OutputsT = TypeVar("OutputsT", bound=StageOutputs)
 
 
-def parse_outputs(model: type[O], data: str | bytes | dict[str, Any], where: str) -> O:
+def parse_outputs(model: type[OutputsT], data: str | bytes | dict[str, Any], where: str) -> OutputsT:
     """`data` (JSON text or parsed) as `model`, or OutputsError naming `where` and the bad fields."""
     try:
         if isinstance(data, dict):

@@ -1,16 +1,15 @@
 """Resource planning (the elastic.Policy seam) and the preprocessing plan the workers will run."""
 from __future__ import annotations
 
-from typing import Any
-
 from recforge.elastic.policy import StaticPolicy
 from recforge.pipelines.context import RunContext
+from recforge.pipelines.outputs import CorunPlan, IngestOutputs, PlanOutputs
 from recforge.pipelines.stage import run_stage
 from recforge.preprocess.presets import load_plan
 from recforge.preprocess.run_params import preprocess_params
 
 
-def plan_resources(ctx: RunContext) -> dict[str, Any]:
+def plan_resources(ctx: RunContext) -> PlanOutputs:
     def body(w, store, run_id):
 
         cfg = ctx.config
@@ -24,25 +23,23 @@ def plan_resources(ctx: RunContext) -> dict[str, Any]:
         dlrover = None
         if cfg.resources.policy == "dlrover":  # DLRover-RM stage 1: warm start from MLflow history (logs its events)
             from recforge.pipelines.resource_planning import plan_with_dlrover  # lazy: mlflow off the UI/CLI path
-            resources, dlrover = plan_with_dlrover(store, run_id, cfg, plan.tables(), ctx.outputs("ingest")["train"]["rows"])
+            rows = ctx.read(IngestOutputs).train.rows
+            resources, dlrover = plan_with_dlrover(store, run_id, cfg, plan.tables(), rows)
         store.log_params(run_id, {"policy": cfg.resources.policy, "workers": resources.workers,
                                   "threads_per_worker": resources.threads_per_worker})
         store.log_artifact(run_id, plan_path)
         corun = None
         if cfg.preprocessing == "corun":  # RAP: the co-run schedule every worker runs (recforge.pipelines.rap_planning)
             from recforge.pipelines.rap_planning import plan_and_log_schedule  # lazy: torch off the UI/CLI import path
-            corun = plan_and_log_schedule(store, run_id, cfg, plan, resources.workers, w,
-                                          manifest_dir=ctx.outputs("ingest")["train"]["manifest_dir"],
-                                          trainer_threads=resources.threads_per_worker)  # profiles the job if new
-        return {
-            "plan_path": str(w.final / "preprocess_plan.json"),
-            "workers": resources.workers,
-            "threads_per_worker": resources.threads_per_worker,
-            "tables": [[name, rows] for name, rows in plan.tables()],
-            "num_dense": len(plan.dense_features()),
-            "preprocess_executor": cfg.preprocess_executor,
-            "dlrover": dlrover,
-            "corun": corun,
-        }
+            planned = plan_and_log_schedule(store, run_id, cfg, plan, resources.workers, w,
+                                            manifest_dir=ctx.read(IngestOutputs).train.manifest_dir,
+                                            trainer_threads=resources.threads_per_worker)  # profiles the job if new
+            corun = CorunPlan.model_validate(planned)
+        return PlanOutputs(
+            plan_path=str(w.final / "preprocess_plan.json"), workers=resources.workers,
+            threads_per_worker=resources.threads_per_worker, tables=plan.tables(),
+            num_dense=len(plan.dense_features()), preprocess_executor=cfg.preprocess_executor, dlrover=dlrover,
+            corun=corun,
+        )
 
-    return run_stage(ctx, "plan_resources", body)
+    return run_stage(ctx, PlanOutputs, body)

@@ -1,7 +1,7 @@
 """Run a whole pipeline in one process: the CLI's and the tests' path without Airflow."""
 from __future__ import annotations
 
-from recforge.pipelines.context import EXPERIMENT, RunContext, run_key_from
+from recforge.pipelines.context import RunContext
 from recforge.pipelines.data_stages import generate, ingest
 from recforge.pipelines.outputs import STAGE_OUTPUTS, StageOutputs
 from recforge.pipelines.plan_stage import plan_resources

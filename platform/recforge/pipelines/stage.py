@@ -6,19 +6,17 @@ from collections.abc import Callable
 from typing import Any
 
 from recforge.pipelines.context import RunContext, StageWriter
-from recforge.pipelines.outputs import STAGE_OUTPUTS, O
+from recforge.pipelines.outputs import OutputsT
 
 log = logging.getLogger("recforge.pipelines")
 
 
-def run_stage(ctx: RunContext, model: type[O], body: Callable[[StageWriter, Any, str], O]) -> O:
+def run_stage(ctx: RunContext, model: type[OutputsT],
+              body: Callable[[StageWriter, Any, str], OutputsT]) -> OutputsT:
     """Run `body(writer, store, run_id)` as stage `model.stage`; commit the `model` it returns (with the MLflow run
     id filled in) and return it as recorded."""
     from recforge.tracking import TrackingStore  # lazy: mlflow off the CLI/DAG import path
 
-    if isinstance(model, str):  # TRANSITIONAL: until plan_stage/train_stage return models
-        legacy, model = body, STAGE_OUTPUTS[model]
-        body = lambda w, store, run_id: model.model_validate(legacy(w, store, run_id))  # noqa: E731
     stage = model.stage
     store = TrackingStore(ctx.tracking_uri)
     parent_id = store.pipeline_run(ctx.experiment, ctx.run_key)

@@ -5,7 +5,12 @@ from typing import Any
 
 from recforge.pipelines.context import RunContext
 from recforge.pipelines.outputs import (
-    CompileOutputs, EvaluateOutputs, GenerateOutputs, IngestOutputs, PublishOutputs, TrainOutputs,
+    CompileOutputs,
+    EvaluateOutputs,
+    GenerateOutputs,
+    IngestOutputs,
+    PublishOutputs,
+    TrainOutputs,
 )
 
 
@@ -23,7 +28,7 @@ def summarize(ctx: RunContext) -> dict[str, Any]:
         "holdout_auc": ev.auc,
         "holdout_logloss": ev.logloss,
         "holdout_ne": ev.ne,
-        "auc_ceiling": ev.auc_ceiling or (gen.bayes_auc or [None])[-1],
+        "auc_ceiling": ev.auc_ceiling or (gen.bayes_auc[-1] if gen.bayes_auc else None),
         "eager_latency_ms": rep.eager_median_ms,
         "compiled_latency_ms": rep.compiled_median_ms,
         "compile_speedup": rep.speedup,

@@ -16,38 +16,44 @@ from pathlib import Path
 from typing import Any
 
 from recforge.elastic.backends.base import JobFailedError
-from recforge.elastic.master.dlrover_scaler import scaler_from_stage1
+from recforge.elastic.master.dlrover_scaler import DLRoverScaler, scaler_from_stage1
 from recforge.elastic.optimizer.events import Event
+from recforge.pipelines.outputs import DLRoverRun, ExecutedDecision, PlanOutputs
 from recforge.pipelines.resource_planning import log_dlrover_run
 from recforge.tracking.resource_models import log_events
+from recforge.train.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
 
 
-def start(store, run_id: str, plan_out: dict[str, Any], cfg, spec: dict[str, Any], tmp: Path):
-    """The scaler for run_training_job (None under the static policy); adds the ledger to `spec`."""
-    state = plan_out.get("dlrover")
+def start(store, run_id: str, plan_out: PlanOutputs, cfg, spec: WorkerSpec,
+          tmp: Path) -> tuple[DLRoverScaler | None, WorkerSpec]:
+    """The scaler for run_training_job (None under the static policy) and `spec`, with the ledger under stages 2/3."""
+    state = plan_out.dlrover
     if cfg.resources.policy != "dlrover" or not state:
-        return None
+        return None, spec
     try:
         scaler = scaler_from_stage1(state, cfg.resources.dlrover, memory_action="accumulate")  # local backend
     except (ValueError, TypeError) as e:
         log.warning("DLRover stages 2/3 off for this run: %s", e)
         log_events(store, run_id, [Event("runtime", "fallback", f"{e}: training on the plan task's plan without "
-                                         "stages 2/3", plan_before=state.get("plan") if isinstance(state, dict) else None)])
-        return None
-    spec["recovery"] = {**dict(spec.get("recovery") or {}), "ledger_dir": str(tmp / "ledger")}
+                                         "stages 2/3", plan_before=state.get("plan"))])
+        return None, spec
+    spec = spec.model_copy(update={"recovery": spec.recovery.model_copy(update={"ledger_dir": tmp / "ledger"})})
     store.log_params(run_id, {"dlrover": cfg.resources.dlrover.model_dump(mode="json")})
-    return scaler
+    return scaler, spec
 
 
-def finish(store, run_id: str, scaler, attempts: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+def finish(store, run_id: str, scaler, attempts: Sequence[dict[str, Any]]) -> DLRoverRun | None:
     """Log what stages 2/3 decided and executed during the run; the summary for the task's outputs."""
     if scaler is None:
         return None
     summary = log_dlrover_run(store, run_id, scaler, attempts)
-    return {k: summary[k] for k in ("throughput_by_plan", "final_plan", "events", "model_uri")} | {
-        "executed": [{"stage": e["stage"], "action": e["action"], "reason": e["reason"]} for e in summary["executed"]]}
+    return DLRoverRun(
+        throughput_by_plan=summary["throughput_by_plan"], final_plan=summary["final_plan"], events=summary["events"],
+        model_uri=summary["model_uri"],
+        executed=[ExecutedDecision(stage=e["stage"], action=e["action"], reason=e["reason"])
+                  for e in summary["executed"]])
 
 
 def logging_failures(store, run_id: str, scaler, run_job):

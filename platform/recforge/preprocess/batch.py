@@ -61,8 +61,9 @@ class RawBatch:
         )
 
     def to(self, device: torch.device | str) -> RawBatch:
-        return RawBatch(*(t.to(device) for t in (self.label, self.dense, self.dense_valid, self.sparse,
-                                                 self.sparse_valid)), jagged=self.jagged.to(device))
+        return RawBatch(label=self.label.to(device), dense=self.dense.to(device),
+                        dense_valid=self.dense_valid.to(device), sparse=self.sparse.to(device),
+                        sparse_valid=self.sparse_valid.to(device), jagged=self.jagged.to(device))
 
     @classmethod
     def concat(cls, parts: list[RawBatch]) -> RawBatch:

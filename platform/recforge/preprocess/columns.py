@@ -6,6 +6,7 @@ every executor is (dense float32[B, Fd], KeyedJaggedTensor of the sparse feature
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -14,6 +15,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.planning.plan import Plan
+
+SourceKind = Literal["dense", "sparse"]
 
 
 class BatchError(ValueError):
@@ -42,7 +45,7 @@ class Col:
 class Source:
     """Where a plan's source column lives in a RawBatch."""
 
-    kind: str  # "dense" | "sparse": the dataset's column kind
+    kind: SourceKind  # the dataset's column kind
     index: int  # column of raw.dense / raw.sparse
 
 
@@ -84,7 +87,7 @@ def finish(plan: Plan, outputs: dict[str, Col], rows: int, device: torch.device)
     dense_cols = []
     for name in plan.dense_features():
         col = outputs[name]
-        if col.jagged and bool((col.lengths != 1).any()):
+        if col.lengths is not None and bool((col.lengths != 1).any()):
             raise BatchError(f"dense feature {name!r}: its list source gives rows without exactly one value; "
                              "a dense feature needs one value per row (end its chain with firstx(1) and "
                              "make sure no list is empty)")

@@ -75,6 +75,7 @@ def make_executor(name: str, plan: Plan, dataset: DatasetConfig, **options: Any)
     """Build the named executor for `plan` over `dataset` (the plan is validated: PlanError names feature and op).
     Options: fused/dali take `method` ("milp" | "greedy") for the plan compiler; fused takes `prune` (skip values
     no consumer reads, default True); dali takes `num_threads` and `device` ("cpu" | "gpu")."""
+    ex: Executor
     if name == "eager":
         ex = EagerExecutor(plan, dataset)
     elif name == "fused":

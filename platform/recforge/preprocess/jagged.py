@@ -65,11 +65,11 @@ class JaggedColumn:
     @classmethod
     def from_rows(cls, rows: list[list[int | None] | None]) -> JaggedColumn:
         """From Python lists (None = null element; a None row = null list = empty)."""
-        rows = [r or [] for r in rows]
-        flat = [v for r in rows for v in r]
+        lists = [r or [] for r in rows]
+        flat = [v for r in lists for v in r]
         return cls(
             values=torch.tensor([0 if v is None else v for v in flat], dtype=torch.int64),
-            lengths=torch.tensor([len(r) for r in rows], dtype=torch.int64),
+            lengths=torch.tensor([len(r) for r in lists], dtype=torch.int64),
             valid=torch.tensor([v is not None for v in flat], dtype=torch.bool),
         )
 

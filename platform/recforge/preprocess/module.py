@@ -9,6 +9,8 @@ multi-value features go through the executors (executor.make_executor).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +38,8 @@ def _chain_values(f: FeaturePlan, source_kind: str) -> list[Value]:
 
 
 class _Group(nn.Module):
+    index: Tensor  # buffer
+
     def __init__(self, kind: str, source_kind: str, features: list[FeaturePlan], columns: list[int],
                  inline_hash: bool = False):
         super().__init__()
@@ -62,6 +66,11 @@ class PreprocessModule(nn.Module):
     -> (dense_out float32[B, plan dense], ids int64[B, plan sparse]); inputs in dataset column order."""
 
     scalar_sources = True  # reads one value per column and row (RECom's one-id proof relies on it)
+    # set in __init__: buffers, and whether the concatenated groups need permuting
+    dense_perm: Tensor
+    sparse_perm: Tensor
+    _dense_permute: bool
+    _sparse_permute: bool
 
     def __init__(self, plan: Plan, dataset: DatasetConfig, inline_hash: bool = False):
         super().__init__()
@@ -79,12 +88,11 @@ class PreprocessModule(nn.Module):
         grouped: dict[tuple, list[FeaturePlan]] = {}
         for f in plan.features:
             grouped.setdefault((f.kind, where[f.source][0], _chain_key(f)), []).append(f)
-        self.groups = nn.ModuleList(
-            _Group(kind, src, fs, [where[f.source][1] for f in fs], inline_hash)
-            for (kind, src, _), fs in grouped.items()
-        )
+        groups = [_Group(kind, src, fs, [where[f.source][1] for f in fs], inline_hash)
+                  for (kind, src, _), fs in grouped.items()]
+        self.groups = nn.ModuleList(groups)
         for kind, names in (("dense", plan.dense_features()), ("sparse", plan.sparse_features())):
-            order = [n for g in self.groups if g.kind == kind for n in g.names]  # concatenation order
+            order = [n for g in groups if g.kind == kind for n in g.names]  # concatenation order
             perm = [order.index(n) for n in names]
             self.register_buffer(f"{kind}_perm", torch.tensor(perm, dtype=torch.int64), persistent=False)
             setattr(self, f"_{kind}_permute", perm != list(range(len(perm))))
@@ -98,7 +106,7 @@ class PreprocessModule(nn.Module):
                 f"got {dense.shape[1]} and {sparse.shape[1]}"
             )
         parts: dict[str, list[Tensor]] = {"dense": [], "sparse": []}
-        for g in self.groups:
+        for g in cast("Iterable[_Group]", self.groups):  # nn.ModuleList is not generic
             raw, valid = (dense, dense_valid) if g.source_kind == "dense" else (sparse, sparse_valid)
             parts[g.kind].append(g(raw, valid))
         rows = dense.shape[0]

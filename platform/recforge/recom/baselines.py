@@ -15,6 +15,8 @@ bucket K; the padded ``searchsorted`` puts it in the widest column's K: feed no 
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
@@ -25,26 +27,42 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import recforge_kernels  # noqa: F401
-from recforge.recom.family.columns import JAGGED_KINDS
+from recforge.recom.family.columns import (
+    JAGGED_KINDS,
+    BucketizedColumn,
+    IntHashColumn,
+    MultiHotColumn,
+    RawIdColumn,
+    SafeMultiHotColumn,
+    StringHashColumn,
+)
 from recforge.recom.family.data import LENGTHS_SUFFIX
+from recforge.recom.family.model import ColumnModel
 
 
 def _columns(module: nn.Module) -> dict[str, nn.Module]:
-    layer = getattr(module, "embedding", module)
+    layer: Any = getattr(module, "embedding", module)  # a ColumnModel's EmbeddingLayer, or the layer itself
     return dict(layer.columns.items())
 
 
 def _table(col: nn.Module) -> tuple[Tensor, str]:
     """(weight, combiner) of a family column."""
-    if hasattr(col, "bag"):
+    if isinstance(col, BucketizedColumn):
         return col.bag.weight, col.bag.mode
-    if hasattr(col, "embedding"):
+    if isinstance(col, (IntHashColumn, StringHashColumn, RawIdColumn)):
         return col.embedding.weight, "sum"
-    return col.weight, col.combiner
+    if isinstance(col, (MultiHotColumn, SafeMultiHotColumn)):
+        return col.weight, col.combiner
+    raise TypeError(f"{type(col).__name__} is not a recforge.recom.family column")
 
 
 class GroupedPreprocess(nn.Module):
     """features -> (ids int64[nnz], offsets int64[T*B + 1], weights float32[nnz]), tables in column order."""
+
+    # buffers, registered in __init__
+    boundaries: Tensor
+    mod_n: Tensor
+    string_m: Tensor
 
     def __init__(self, module: nn.Module):
         super().__init__()
@@ -54,7 +72,7 @@ class GroupedPreprocess(nn.Module):
         for c in cols.values():
             if c.kind == "raw_id" and c.oov != "zero":
                 raise ValueError("raw ids without a guard are not converted")
-        bucket = [c for c in cols.values() if c.kind == "bucketized"]
+        bucket = [c for c in cols.values() if isinstance(c, BucketizedColumn)]
         kmax = max((c.boundaries.numel() for c in bucket), default=1)
         pad = torch.full((len(bucket), kmax), float("inf"))
         for i, c in enumerate(bucket):
@@ -62,12 +80,13 @@ class GroupedPreprocess(nn.Module):
         self.register_buffer("boundaries", pad)
         self.register_buffer("mod_n", torch.tensor([[c.num_rows] for c in cols.values() if c.kind == "int_hash"],
                                                    dtype=torch.int64).reshape(-1, 1))
-        strings = [c for c in cols.values() if c.kind == "string_hash"]
+        strings = [c for c in cols.values() if isinstance(c, StringHashColumn)]
         self.string_salts = sorted({c.salt for c in strings})
         self.register_buffer("string_m", torch.tensor([c.num_rows for c in strings], dtype=torch.int64))
         self.string_salt = [c.salt for c in strings]
-        self.jagged = [(n, c.salt, c.num_rows, c.combiner) for n, c in cols.items() if c.kind in JAGGED_KINDS]
-        self.raw = [(n, c.num_rows) for n, c in cols.items() if c.kind == "raw_id"]
+        self.jagged = [(n, c.salt, c.num_rows, c.combiner) for n, c in cols.items()
+                       if isinstance(c, (MultiHotColumn, SafeMultiHotColumn))]
+        self.raw = [(n, c.num_rows) for n, c in cols.items() if isinstance(c, RawIdColumn)]
         self.groups = {k: [n for n, c in cols.items() if c.kind == k]
                        for k in ("bucketized", "int_hash", "string_hash")}
 
@@ -155,7 +174,7 @@ class EBCLayer(nn.Module):
 class DenseNet(nn.Module):
     """A ColumnModel's dense part: sigmoid(head(top([bottom(dense), embeddings]))) as float32[B]."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: ColumnModel):
         super().__init__()
         self.bottom, self.top, self.head = model.bottom, model.top, model.head
 

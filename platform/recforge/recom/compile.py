@@ -122,9 +122,14 @@ class CompiledModel(nn.Module):
     column_compile_s, backend_compile_s, example_max_abs_diff, recom (the column compiler's report).
     """
 
+    # set with object.__setattr__ in __init__ (kept out of the submodules)
+    _runner: Callable[..., Any]
+    _keepalive: Any
+    _fallback: nn.Module | None
+
     def __init__(self, exported_program: torch.export.ExportedProgram, backend: str = DEFAULT_BACKEND,
                  metadata: dict[str, Any] | None = None, warmup_inputs: Sequence[Any] | None = None, *,
-                 layer: nn.Module | None = None, in_spec: pytree.TreeSpec | None = None,
+                 layer: FusedEmbeddingLayer | None = None, in_spec: pytree.TreeSpec | None = None,
                  dense_index: Sequence[int] | None = None, input_names: Sequence[str] | None = None,
                  out_spec: pytree.TreeSpec | None = None, fallback: nn.Module | None = None,
                  onednn: bool = False):
@@ -221,6 +226,7 @@ class CompiledModel(nn.Module):
                     self.out_spec is None or self.out_spec.is_leaf())
             if self._identity_dense:  # the model is the embedding layer: nothing after the fused op
                 return emb
+            assert self.dense_index is not None  # given with the layer
             out = self._runner(*[leaves[i] for i in self.dense_index], emb)
             if self.out_spec is not None:
                 out = pytree.tree_unflatten(list(out), self.out_spec)
@@ -240,6 +246,7 @@ class CompiledModel(nn.Module):
     def _recompiled(self, inputs: tuple, why: str) -> CompiledModel:
         """A compile of the source module for these inputs' batch size (cached per size), like
         torch.compile's recompilation on a new static shape."""
+        assert self._fallback is not None  # _out_of_bounds recompiles only with a source module
         leaves = pytree.tree_leaves(inputs)
         key = int(leaves[self.layer.batch_index].shape[0]) if self.layer is not None else batch_size_of(inputs)
         cache = self.__dict__.setdefault("_recompiles", {})
@@ -304,7 +311,8 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], dynamic_batch: boo
     if out_of_bounds not in ("error", "eager", "recompile"):
         raise ValueError(f"out_of_bounds: unknown {out_of_bounds!r}; choose 'error', 'eager' or 'recompile'")
     inputs = tuple(example_inputs)
-    target = module.lowered() if hasattr(module, "lowered") else module
+    lowered = getattr(module, "lowered", None)
+    target = lowered() if lowered is not None else module
     with eval_mode(module), eval_mode(target):
         before = dispatched_ops(module, inputs)
         cap = capture(target, inputs, dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -40,10 +41,11 @@ class Column:
     embedding_dim: int
 
 
-def unwrap_dlrm(model: nn.Module) -> nn.Module:
+def unwrap_dlrm(model: nn.Module) -> DLRM:
     """Return the DLRM inside ``model`` (itself, or ``DLRMTrain.model``); refuse anything else."""
     inner = getattr(model, "model", None)
-    if not all(hasattr(model, p) for p in _DLRM_PARTS) and all(hasattr(inner, p) for p in _DLRM_PARTS):
+    if (inner is not None and not all(hasattr(model, p) for p in _DLRM_PARTS)
+            and all(hasattr(inner, p) for p in _DLRM_PARTS)):
         model = inner
     missing = [p for p in _DLRM_PARTS if not hasattr(model, p)]
     if missing:

@@ -1,4 +1,5 @@
-"""MLflow for recforge: runs per pipeline stage, metrics, the model registry, stored models; the only package that imports mlflow."""
+"""MLflow for recforge: runs per pipeline stage, metrics, the model registry, stored models; the only package that
+imports mlflow."""
 from __future__ import annotations
 
 import importlib

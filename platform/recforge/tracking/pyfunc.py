@@ -9,14 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import mlflow.pyfunc
+from mlflow.pyfunc import PythonModel
 
 # loader(artifact path, model_config) -> predictor; predictor(model_input) -> the prediction
 Loader = Callable[[str, Mapping[str, Any]], Callable[[Any], Any]]
 ARTIFACT_KEY = "artifact"
 
 
-class ArtifactPyfunc(mlflow.pyfunc.PythonModel):
+class ArtifactPyfunc(PythonModel):
     """pyfunc whose `predict` calls what `loader` built from the logged artifact (`ARTIFACT_KEY`)."""
 
     def __init__(self, loader: Loader, artifact_key: str = ARTIFACT_KEY) -> None:

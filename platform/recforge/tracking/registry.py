@@ -67,6 +67,7 @@ class ModelRegistry:
     def promote_if_not_worse(self, version: str, auc: float, margin: float) -> PromotionDecision:
         current = self.champion()
         version = str(version)
+        champ_auc: float | None
         if current is not None and str(current.version) == version:
             champ_auc = float(current.tags.get(QUALITY_TAG, "nan"))
             return PromotionDecision(version, True, auc, version, champ_auc, margin, "already champion")

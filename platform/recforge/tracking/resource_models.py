@@ -164,7 +164,8 @@ def load_resource_model(model_uri: str | None = None, tracking_uri: str | None =
         raise MlflowException(f"resource model {model_uri!r} cannot be loaded: {e.message}") from e
 
 
-def find_resource_runs(store: TrackingStore, dataset: str, model_family: str, limit: int = 20) -> list[StoredResourceRun]:
+def find_resource_runs(store: TrackingStore, dataset: str, model_family: str,
+                       limit: int = 20) -> list[StoredResourceRun]:
     """Runs tagged by `log_resource_model` for `dataset` and `model_family` (any experiment), newest first."""
     client = store.client
     exps = [e.experiment_id for e in client.search_experiments()]

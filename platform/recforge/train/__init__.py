@@ -6,6 +6,7 @@ from typing import Any
 
 _EXPORTS: dict[str, tuple[str, ...]] = {  # defining module -> its public names
     "recforge.train.spec": ("WorkerSpec",),
+    "recforge.train.result": ("WorkerResult",),
     "recforge.train.model": ("EBC_PATH", "build_dlrm", "embedding_configs"),
     "recforge.train.placement": ("Placement",),
     "recforge.train.sharding": (

@@ -20,10 +20,26 @@ from recforge.preprocess.executor import Executor
 log = logging.getLogger(__name__)
 
 
+class LeasedTask(Protocol):
+    """A data-shard task as the master leases it (recforge.elastic.master.tasks.Task): rows
+    [row_start, row_end) of shard `shard` in epoch `epoch`."""
+
+    @property
+    def task_id(self) -> str: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def shard(self) -> int: ...
+    @property
+    def row_start(self) -> int: ...
+    @property
+    def row_end(self) -> int: ...
+
+
 class TaskClient(Protocol):
     """The part of recforge.elastic.agent.client.MasterClient the trainer uses."""
 
-    def lease(self): ...
+    def lease(self) -> LeasedTask | None: ...
     def done(self, task_id: str, samples: int) -> bool: ...
 
 
@@ -74,7 +90,7 @@ class TaskBatches:
         self.client, self.manifest_dir, self.dataset = client, Path(manifest_dir), dataset
         self.executor, self.batch_size, self.device = executor, batch_size, device
         self._raw: RawBatch | None = None
-        self._task = None
+        self._task: LeasedTask | None = None
         self._offset = 0
         self._exhausted = False
         self.tasks_done = 0
@@ -83,17 +99,25 @@ class TaskBatches:
     def next(self) -> Batch | None:
         if not self.hold_task():
             return None
-        start, end = self._offset, min(self._offset + self.batch_size, self._raw.rows)
+        _, raw = self.held()
+        start, end = self._offset, min(self._offset + self.batch_size, raw.rows)
         self._offset = end
-        return self.stamp(self.prepare(slice_raw(self._raw, start, end)), start, end, last=end >= self._raw.rows)
+        return self.stamp(self.prepare(slice_raw(raw, start, end)), start, end, last=end >= raw.rows)
+
+    def held(self) -> tuple[LeasedTask, RawBatch]:
+        """The task this rank holds and its rows (after `hold_task()` returned True)."""
+        if self._task is None or self._raw is None:
+            raise RuntimeError("TaskBatches: no task held (hold_task() first)")
+        return self._task, self._raw
 
     def stamp(self, batch: Batch, start: int, end: int, last: bool) -> Batch:
         """Mark `batch` as rows [start, end) of the current task (`last`: its last batch)."""
-        batch.task_id = self._task.task_id
+        task, raw = self.held()
+        batch.task_id = task.task_id
         batch.last_of_task = last
-        batch.epoch, batch.shard = self._task.epoch, self._task.shard
-        batch.row_start, batch.row_end = self._task.row_start + start, self._task.row_start + end
-        batch.task_rows = self._raw.rows
+        batch.epoch, batch.shard = task.epoch, task.shard
+        batch.row_start, batch.row_end = task.row_start + start, task.row_start + end
+        batch.task_rows = raw.rows
         return batch
 
     def prepare(self, raw: RawBatch) -> Batch:
@@ -129,14 +153,15 @@ class TaskBatches:
             if self._task is not None and self._task.task_id == batch.task_id:
                 self._raw, self._task = None, None  # else (micro-batches) the next task is already leased
 
-    def read_task(self, task) -> RawBatch:
+    def read_task(self, task: LeasedTask) -> RawBatch:
         """A task's rows (the offline-preprocessed source overrides it to read preprocessed rows)."""
         rb: pa.RecordBatch = read_rows(self.manifest_dir, task.shard, task.row_start, task.row_end)
         if rb.num_rows != task.row_end - task.row_start:
-            raise RuntimeError(f"task {task.task_id}: read {rb.num_rows} rows, expected {task.row_end - task.row_start}")
+            raise RuntimeError(
+                f"task {task.task_id}: read {rb.num_rows} rows, expected {task.row_end - task.row_start}")
         return RawBatch.from_arrow(rb, self.dataset)
 
-    def lease_task(self):
+    def lease_task(self) -> LeasedTask | None:
         """The next task for this rank from the master, or None (the mapped source leases in turns)."""
         return self.client.lease()
 

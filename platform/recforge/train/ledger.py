@@ -35,7 +35,8 @@ class Ledger:
 
     def start(self, resumed_step: int | None, saved_by: int | None, world_size: int) -> None:
         """Rank 0, once per group: where this generation's model came from."""
-        doc = {"generation": self.generation, "resumed_step": resumed_step, "saved_by": saved_by, "world_size": world_size}
+        doc = {"generation": self.generation, "resumed_step": resumed_step, "saved_by": saved_by,
+               "world_size": world_size}
         tmp = self.root / f".gen{self.generation:04d}.json.tmp"
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, self.root / f"gen{self.generation:04d}.json")

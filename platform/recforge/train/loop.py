@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -83,7 +83,7 @@ class WindowMetrics:
         local = (torch.cat(self.labels).numpy() if self.labels else None,
                  torch.cat(self.logits).numpy() if self.logits else None)
         self.labels, self.logits = [], []
-        parts = [None] * world_size
+        parts: list[tuple[np.ndarray | None, np.ndarray | None]] = [(None, None)] * world_size
         if world_size > 1:
             dist.all_gather_object(parts, local)
         else:
@@ -176,5 +176,6 @@ def train_epoch(
     stats.tasks_done = source.tasks_done
     state.epochs.append(stats)
     if rank == 0:
-        log.info("epoch %d done: %d steps, %d samples, loss %.5f, %.1fs", epoch, stats.steps, stats.samples, stats.loss, stats.wall_s)
+        log.info("epoch %d done: %d steps, %d samples, loss %.5f, %.1fs",
+                 epoch, stats.steps, stats.samples, stats.loss, stats.wall_s)
     return stats

@@ -16,7 +16,8 @@ def weighted_bce_sum(logits: torch.Tensor, labels: torch.Tensor, weights: torch.
     """sum_i w_i * BCE(logit_i, label_i); logits may be [B] or [B, 1]."""
     logits = logits.reshape(-1)
     if logits.shape != labels.shape or labels.shape != weights.shape:
-        raise ValueError(f"shape mismatch: logits {tuple(logits.shape)}, labels {tuple(labels.shape)}, weights {tuple(weights.shape)}")
+        raise ValueError(f"shape mismatch: logits {tuple(logits.shape)}, labels {tuple(labels.shape)}, "
+                         f"weights {tuple(weights.shape)}")
     per = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none")
     return (per * weights.to(per.dtype)).sum()
 

@@ -56,7 +56,8 @@ def normalized_entropy(labels: np.ndarray, logits: np.ndarray) -> float:
 
 
 @torch.no_grad()
-def predict(model: torch.nn.Module, executor: Executor, manifest_dir: str | Path, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+def predict(model: torch.nn.Module, executor: Executor, manifest_dir: str | Path,
+            batch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(labels, logits) over every row of the manifest, in shard order."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -79,7 +80,8 @@ def predict(model: torch.nn.Module, executor: Executor, manifest_dir: str | Path
     return np.concatenate(labels), np.concatenate(logits)
 
 
-def evaluate(model: torch.nn.Module, executor: Executor, manifest_dir: str | Path, batch_size: int = 4096) -> dict[str, float]:
+def evaluate(model: torch.nn.Module, executor: Executor, manifest_dir: str | Path,
+             batch_size: int = 4096) -> dict[str, float]:
     """{auc, logloss, ne, rows} of `model` (logits out) on every row of the manifest."""
     y, z = predict(model, executor, manifest_dir, batch_size)
     return {"auc": auc(y, z), "logloss": logloss(y, z), "ne": normalized_entropy(y, z), "rows": int(y.size)}

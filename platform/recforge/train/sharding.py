@@ -15,12 +15,13 @@ dense one, under the same constraints the planner gets from TrainConfig (shardin
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchrec import EmbeddingBagCollection
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
@@ -44,7 +45,8 @@ EMBEDDING_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adagrad": torch.optim.Adagrad,
     "sgd": torch.optim.SGD,
 }
-DENSE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+# called as cls(params, lr=...): Optimizer.__init__ itself takes (params, defaults)
+DENSE_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 ALL_SHARDING_TYPES = ["table_wise", "column_wise", "data_parallel"]
 
 
@@ -117,7 +119,7 @@ def shard_model(
     if dense_optimizer not in DENSE_OPTIMIZERS:
         raise ValueError(f"dense_optimizer: {dense_optimizer!r}; choose one of {sorted(DENSE_OPTIMIZERS)}")
     pg = pg or dist.GroupMember.WORLD
-    ebc = model.get_submodule(EBC_PATH)
+    ebc: EmbeddingBagCollection = model.get_submodule(EBC_PATH)
     table_names = [c.name for c in ebc.embedding_bag_configs()]
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -216,8 +218,8 @@ def _check_same_on_every_rank(placements: Mapping[str, Placement], pg: dist.Proc
                          "pass the same placements to shard_model")
 
 
-def placement_plan(ebc: torch.nn.Module, placements: Mapping[str, Placement], train: TrainConfig, world_size: int,
-                   device_type: str, pg: dist.ProcessGroup | None = None) -> ShardingPlan:
+def placement_plan(ebc: EmbeddingBagCollection, placements: Mapping[str, Placement], train: TrainConfig,
+                   world_size: int, device_type: str, pg: dist.ProcessGroup | None = None) -> ShardingPlan:
     """The ShardingPlan (under EBC_PATH) that puts each table where `placements` says, checked (check_placements;
     with `pg`, also equal on every rank)."""
     if pg is not None:  # first: ranks that disagree all fail here, none waits in a later collective
@@ -229,7 +231,8 @@ def placement_plan(ebc: torch.nn.Module, placements: Mapping[str, Placement], tr
     return ShardingPlan({EBC_PATH: module_plan})
 
 
-def to_torchrec(placements: Mapping[str, Placement], ebc, world_size: int, device_type: str = "cpu"):
+def to_torchrec(placements: Mapping[str, Placement], ebc: EmbeddingBagCollection, world_size: int,
+                device_type: str = "cpu"):
     """An EmbeddingModuleShardingPlan for the EmbeddingBagCollection `ebc` (DMP takes it under the EBC's path)."""
     gen = {}
     for table, p in placements.items():

@@ -20,11 +20,13 @@ class WorkerSpec(BaseModel):
 
     manifest_dir: Path = Field(description="directory holding manifest.json of the training shards")
     plan_path: Path = Field(description="preprocessing Plan as JSON")
-    preprocess_executor: str = Field("fused", description="eager | fused | dali (recforge.preprocess.executor.make_executor)")
+    preprocess_executor: str = Field("fused",
+                                     description="eager | fused | dali (recforge.preprocess.executor.make_executor)")
     dataset: DatasetConfig
     model: ModelConfig
     train: TrainConfig
-    master_url: str = Field(min_length=1, description="job master base URL, e.g. http://127.0.0.1:PORT")
+    master_url: str | None = Field(None, min_length=1, description="job master base URL, e.g. http://127.0.0.1:PORT; "
+                                   "the launcher (recforge.elastic.job.run_training_job) fills it in")
     checkpoint_dir: Path = Field(description="DCP checkpoint written here at the end (temp + rename)")
     output_dir: Path = Field(description="rank 0 writes result.json and probe.pt here")
     threads_per_worker: int = Field(1, ge=1)
@@ -35,13 +37,15 @@ class WorkerSpec(BaseModel):
     preprocessing: Literal["inline", "corun", "offline"] = Field(
         "inline", description="corun: RAP co-running; offline: train from preprocessed_dir (recforge.rap)")
     preprocessed_dir: Path | None = Field(None, description="offline: rows preprocessed before training")
-    corun_schedule_path: Path | None = Field(None, description="co-run schedule JSON (default: every kernel in mlp_bwd)")
-    corun_mapping_path: Path | None = Field(None, description="RAP mapping JSON (recforge.rap.mapping.worker_mapping): table "
-                                            "placements + per-rank co-run jobs; ids preprocessed on their table's owner")
+    corun_schedule_path: Path | None = Field(None,
+                                             description="co-run schedule JSON (default: every kernel in mlp_bwd)")
+    corun_mapping_path: Path | None = Field(
+        None, description="RAP mapping JSON (recforge.rap.mapping.worker_mapping): table placements + per-rank co-run "
+                          "jobs; ids preprocessed on their table's owner")
     corun_threads: int = Field(1, ge=1, description="intra-op threads of the co-run thread")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "WorkerSpec":
+    def _consistent(self) -> WorkerSpec:
         if self.preprocessing == "offline" and self.preprocessed_dir is None:
             raise ValueError("preprocessed_dir: required when preprocessing is 'offline'")
         if self.mlflow_run_id is not None and not self.tracking_uri:
@@ -49,16 +53,21 @@ class WorkerSpec(BaseModel):
         if not self.train.fused_embeddings and self.train.sharding in ("table_wise", "column_wise"):
             raise ValueError(
                 f"train.sharding: {self.train.sharding!r} needs train.fused_embeddings=true; torchrec on CPU "
-                "runs the plain (dense) embedding kernel only with data_parallel sharding (use 'auto' or 'data_parallel')"
+                "runs the plain (dense) embedding kernel only with data_parallel sharding "
+                "(use 'auto' or 'data_parallel')"
             )
         return self
 
     @classmethod
-    def load(cls, path: str | Path) -> "WorkerSpec":
+    def load(cls, path: str | Path) -> WorkerSpec:
+        """The spec a worker runs: as launched, so with its master_url."""
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"worker spec not found: {path}")
-        return cls.model_validate_json(path.read_text())
+        spec = cls.model_validate_json(path.read_text())
+        if spec.master_url is None:
+            raise ValueError(f"master_url: required to run a worker; {path} was not written by a launcher")
+        return spec
 
     def save(self, path: str | Path) -> Path:
         """Write atomically (temp file + rename) so a launching rank never reads half a spec."""

@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from recforge.pipelines.context import EXPERIMENT
-from recforge.pipelines.outputs import STAGE_OUTPUTS, O, OutputsError, PlanOutputs, StageOutputs, parse_outputs
+from recforge.pipelines.outputs import (
+    STAGE_OUTPUTS,
+    OutputsError,
+    OutputsT,
+    PlanOutputs,
+    StageOutputs,
+    parse_outputs,
+)
 from recforge.settings import recforge_home
 
 RUN_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")  # what recforge.pipelines.context.run_key_from produces
@@ -44,7 +51,7 @@ class RunRecord:
     modified: float
     stages: dict[str, StageRecord] = field(default_factory=dict)
 
-    def read(self, model: type[O]) -> O | None:
+    def read(self, model: type[OutputsT]) -> OutputsT | None:
         """A stage's recorded outputs as its model; None where the stage has none (or they do not validate)."""
         record = self.stages.get(model.stage)
         return record.outputs if record is not None and isinstance(record.outputs, model) else None

@@ -218,7 +218,7 @@ def _name_span(names: list[str]) -> str:
 def _schedule_section(run: RunRecord) -> dict | None:
     for out in (run.read(PlanOutputs), run.read(TrainOutputs)):
         schedule = out.rap_schedule if out is not None else None
-        if schedule is not None:
+        if out is not None and schedule is not None:
             try:
                 return {"stage": out.stage, "chart": charts.gantt(schedule), "problem": None}
             except charts.ChartError as e:

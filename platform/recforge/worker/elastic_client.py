@@ -16,6 +16,8 @@ def launch_generation(spec: WorkerSpec) -> int:
 
 def join_master(spec: WorkerSpec, rank: int, generation: int) -> MasterClient:
     """A client of the job master, joined (it leases data-shard tasks and receives stop commands)."""
+    if spec.master_url is None:  # WorkerSpec.load refuses such a spec; this is for a spec built in-process
+        raise ValueError("master_url: required to join the job master (run_training_job fills it in)")
     client = MasterClient(spec.master_url, worker_id=f"rank{rank}-{os.getpid()}", generation=generation,
                           max_attempts=spec.recovery.master_retry_attempts)
     client.join()

@@ -10,9 +10,7 @@ or disk) at logging-window boundaries; a stop command from the master (rescale) 
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ from recforge.train.recovery.checkpoint import save_checkpoint
 from recforge.train.recovery.checkpointer import Checkpointer
 from recforge.train.recovery.flash import agent_present
 from recforge.train.recovery.restart import resume_group
+from recforge.train.result import ResumedFrom, WorkerResult
 from recforge.train.sharding import shard_model
 from recforge.train.spec import WorkerSpec
 from recforge.train.window import GroupStop, WindowHook
@@ -40,7 +39,6 @@ from recforge.worker.elastic_client import join_master, launch_generation
 
 log = logging.getLogger(__name__)
 
-RESULT_FILE = "result.json"
 PROBE_FILE = "probe.pt"
 
 
@@ -62,7 +60,7 @@ def _metrics_sink(spec: WorkerSpec) -> AsyncMetricsSink | None:
     return AsyncMetricsSink(fn, spec.tracking_uri, spec.mlflow_run_id) if fn is not None else None
 
 
-def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> dict[str, Any] | None:
+def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> WorkerResult | None:
     """Train this rank; rank 0 returns (and writes) the result, other ranks and a stopped group return None."""
     t_start = time.perf_counter()
     rec = spec.recovery
@@ -151,46 +149,44 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> d
     if rank != 0:
         return None
     samples = sum(e.samples for e in state.epochs) - samples_before  # trained by this group
-    result = {
-        "world_size": world_size,
-        "steps": state.step,
-        "epochs": [e.epoch for e in state.epochs],
-        "samples_per_epoch": [e.samples for e in state.epochs],
-        "loss_per_epoch": [e.loss for e in state.epochs],
-        "final_loss": state.epochs[-1].loss if state.epochs else None,
-        "wall_s": time.perf_counter() - t_start,
-        "train_wall_s": train_wall,
-        "samples_per_s": samples / train_wall if train_wall > 0 else 0.0,
-        "batch_size": bs,
-        "threads_per_worker": spec.threads_per_worker,
-        "fused_embeddings": spec.train.fused_embeddings,
-        "sharding_plan": summary,
-        "checkpoint_dir": str(spec.checkpoint_dir),
-        "probe": {k: v for k, v in probe.items() if k != "logits"},
-        "generation": generation,
-        "resumed_from": ({"path": str(restored.path), "step": restored.step, "source": restored.source,
-                          "saved_by_generation": restored.meta.get("generation"),
-                          "saved_at_world_size": restored.meta.get("world_size"), "skipped": restored.skipped}
-                         if restored is not None else None),
-        "checkpoints": checkpointer.summary(),
-        "grad_accumulation": accumulation,
-        "micro_batch_size": micro,
-        "rows_per_rank_step": per_rank,
-        "global_batch": per_rank * world_size,
-        "rap": corun.summary() if corun is not None else None,
-    }
+    result = WorkerResult(
+        world_size=world_size,
+        steps=state.step,
+        epochs=[e.epoch for e in state.epochs],
+        samples_per_epoch=[e.samples for e in state.epochs],
+        loss_per_epoch=[e.loss for e in state.epochs],
+        final_loss=state.epochs[-1].loss if state.epochs else None,
+        wall_s=time.perf_counter() - t_start,
+        train_wall_s=train_wall,
+        samples_per_s=samples / train_wall if train_wall > 0 else 0.0,
+        batch_size=bs,
+        threads_per_worker=spec.threads_per_worker,
+        fused_embeddings=spec.train.fused_embeddings,
+        sharding_plan=summary,
+        checkpoint_dir=str(spec.checkpoint_dir),
+        probe={k: v for k, v in probe.items() if k != "logits"},
+        generation=generation,
+        resumed_from=(ResumedFrom(path=str(restored.path), step=restored.step, source=restored.source,
+                                  saved_by_generation=restored.meta.get("generation"),
+                                  saved_at_world_size=restored.meta.get("world_size"), skipped=restored.skipped)
+                      if restored is not None else None),
+        checkpoints=checkpointer.summary(),
+        grad_accumulation=accumulation,
+        micro_batch_size=micro,
+        rows_per_rank_step=per_rank,
+        global_batch=per_rank * world_size,
+        rap=corun.summary() if corun is not None else None,
+    )
     out = Path(spec.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(probe, out / PROBE_FILE)
     if sink is not None:
-        sink({"final_train_loss": result["final_loss"] or float("nan"),
-              "train_samples_per_s": result["samples_per_s"]}, state.step)
+        sink({"final_train_loss": result.final_loss or float("nan"),
+              "train_samples_per_s": result.samples_per_s}, state.step)
         sink.close()
-    tmp = out / (RESULT_FILE + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, out / RESULT_FILE)
+    result.save(out)
     log.info("result: %s",
-             json.dumps({k: result[k] for k in ("steps", "samples_per_epoch", "final_loss", "samples_per_s")}))
+             result.model_dump_json(include={"steps", "samples_per_epoch", "final_loss", "samples_per_s"}))
     return result
 
 

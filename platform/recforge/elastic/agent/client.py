@@ -136,7 +136,8 @@ class MasterClient:
         """Give back the unconsumed rest of a task; its first `rows_consumed` rows count as done."""
         reply = self._post(
             "/release",
-            {"worker_id": self.worker_id, "task_id": task_id, "rows_consumed": rows_consumed, "generation": self.generation},
+            {"worker_id": self.worker_id, "task_id": task_id, "rows_consumed": rows_consumed,
+             "generation": self.generation},
         )
         if not reply["accepted"]:
             log.warning("%s: release(%s) rejected by the master: %s", self.worker_id, task_id, reply["status"])
@@ -163,7 +164,8 @@ class MasterClient:
     def snapshot(self, progress: dict[str, int]) -> dict[str, Any]:
         """The data state to store with a checkpoint: `progress` maps in-flight task ids to the rows of
         them the model was trained on (recforge.elastic.master.tasks.TaskQueue.snapshot)."""
-        return self._post("/snapshot", {"worker_id": self.worker_id, "generation": self.generation, "progress": progress})
+        return self._post("/snapshot",
+                          {"worker_id": self.worker_id, "generation": self.generation, "progress": progress})
 
     def restore(self, state: dict[str, Any] | None, reason: str = "") -> dict[str, Any]:
         """Roll the master's queue back to a checkpoint's data state (None: to the start)."""
@@ -214,5 +216,6 @@ class MasterClient:
                 time.sleep(delay)
                 delay = min(delay * 2, self.max_backoff_s)
         raise MasterUnavailableError(
-            f"job master at {self.url} unreachable: {method} {path} failed {self.max_attempts} times, last error: {last!r}"
+            f"job master at {self.url} unreachable: {method} {path} failed {self.max_attempts} times, "
+            f"last error: {last!r}"
         )

@@ -14,7 +14,8 @@ from recforge.elastic.policy import ResourcePlan
 class JobFailedError(RuntimeError):
     """The workers failed; the message carries the exit code, the log path and the log's tail."""
 
-    def __init__(self, message: str, *, exit_code: int | None, log_path: Path | None = None, log_tail: str = "") -> None:
+    def __init__(self, message: str, *, exit_code: int | None, log_path: Path | None = None,
+                 log_tail: str = "") -> None:
         super().__init__(message)
         self.exit_code = exit_code
         self.log_path = log_path

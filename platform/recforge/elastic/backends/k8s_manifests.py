@@ -206,7 +206,8 @@ def validate(manifest: dict[str, Any], version: str = K8S_VERSION) -> None:
         kubernetes_validate.validate(manifest, version, strict=True)
     except kubernetes_validate.ValidationError as e:
         path = ".".join(str(p) for p in e.path) or "(root)"
-        raise ValueError(f"{manifest.get('kind')} {manifest.get('metadata', {}).get('name')}: {path}: {e.message}") from e
+        name = manifest.get("metadata", {}).get("name")
+        raise ValueError(f"{manifest.get('kind')} {name}: {path}: {e.message}") from e
 
 
 # ---- infra/jobs/*.yaml: the manifests above for an example job ----------------------------------------------

@@ -41,7 +41,8 @@ from recforge.elastic.policy import ResourcePlan
 log = logging.getLogger(__name__)
 
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
-_FACTORS = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_FACTORS = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+            "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
 
 def memory_bytes(quantity: str) -> int:
@@ -51,7 +52,7 @@ def memory_bytes(quantity: str) -> int:
     return int(float(m.group(1)) * _FACTORS[m.group(2)])
 
 
-def memory_quantity(n_bytes: int) -> str:
+def memory_quantity(n_bytes: float) -> str:
     return f"{max(1, -(-int(n_bytes) // 2**20))}Mi"
 
 

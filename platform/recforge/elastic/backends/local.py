@@ -11,28 +11,23 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Mapping
+from typing import IO
 
 import psutil
 
 from recforge.elastic.backends.base import JobFailedError
 from recforge.elastic.policy import ResourcePlan
+from recforge.train.distributed import free_port
 
 DEFAULT_WORKER_MODULE = "recforge.worker"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

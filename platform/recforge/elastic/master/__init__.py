@@ -1,4 +1,5 @@
-"""The job master: task queue with dynamic data sharding (HTTP service), supervisor of the worker group, failover, DLRover-RM scaler."""
+"""The job master: task queue with dynamic data sharding (HTTP service), supervisor of the worker group, failover,
+DLRover-RM scaler."""
 from __future__ import annotations
 
 import importlib

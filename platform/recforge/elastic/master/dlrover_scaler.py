@@ -81,7 +81,8 @@ class DLRoverScaler:
         # the first and last windows of a group also hold start-up and shut-down time
         self._rates = (self._rates + [rate or 0.0])[-3:]
         sps = self._rates[1] if len(self._rates) == 3 and min(self._rates) > 0 else None
-        if (running.workers, running.threads_per_worker) != (self.plan.workers, self.plan.to_resource_plan().threads_per_worker):
+        planned = (self.plan.workers, self.plan.to_resource_plan().threads_per_worker)
+        if (running.workers, running.threads_per_worker) != planned:
             self.plan = replace(self.plan, workers=running.workers, cpu_per_worker=float(running.threads_per_worker))
         launch = state.get("launch") or {}
         self._training_polls = self._training_polls + 1 if sps else 0
@@ -142,13 +143,14 @@ class DLRoverScaler:
             return None
         else:
             new = PodPlan.from_dict(e.plan_after)
-        paced = (self._last_executed_s is not None and e.time_s - self._last_executed_s < self.policy.config.interval_s
-                 and e.action != "relaunch_smaller")
+        since = None if self._last_executed_s is None else e.time_s - self._last_executed_s
         if e.action in NOT_EXECUTABLE:
-            return self._skip(e, NOT_EXECUTABLE[e.action])
-        if paced:
-            return self._skip(e, f"paced: the last change was {e.time_s - self._last_executed_s:.0f}s ago "
-                                 f"(< {self.policy.config.interval_s:.0f}s)")
+            self._skip(e, NOT_EXECUTABLE[e.action])
+            return None
+        if since is not None and since < self.policy.config.interval_s and e.action != "relaunch_smaller":  # paced
+            self._skip(e, f"paced: the last change was {since:.0f}s ago "
+                          f"(< {self.policy.config.interval_s:.0f}s)")
+            return None
         settle = self._settler(e, new)
         if e.action == "replace_straggler":
             return Rescale(workers=self.plan.workers, relaunch=True, reason=e.reason, on_applied=settle)
@@ -161,15 +163,17 @@ class DLRoverScaler:
                 return Rescale(workers=self.plan.workers, memory_factor=factor, reason=e.reason, on_applied=settle)
             k = int(launch.get("grad_accumulation") or 1)
             if 2 * k > self.max_grad_accumulation:
-                return self._skip(e, f"gradient accumulation is at {k}; doubling it would pass "
-                                     f"max_grad_accumulation={self.max_grad_accumulation}")
+                self._skip(e, f"gradient accumulation is at {k}; doubling it would pass "
+                              f"max_grad_accumulation={self.max_grad_accumulation}")
+                return None
             return Rescale(workers=self.plan.workers, grad_accumulation_factor=2, reason=e.reason, on_applied=settle)
         before, after = self.plan.to_resource_plan(), new.to_resource_plan()
         if (after.workers, after.threads_per_worker) != (before.workers, before.threads_per_worker):
             return Rescale(workers=after.workers, threads_per_worker=after.threads_per_worker, reason=e.reason,
                            on_applied=settle)
-        return self._skip(e, "only memory or server fields change; the local and Kubernetes launchers set those per "
-                             "backend, not per plan")
+        self._skip(e, "only memory or server fields change; the local and Kubernetes launchers set those per "
+                      "backend, not per plan")
+        return None
 
     def _settler(self, e: Event, new: PodPlan) -> Callable[[bool, str], None]:
         def settle(applied: bool, note: str) -> None:
@@ -191,7 +195,6 @@ class DLRoverScaler:
             self._repeats.add(id(e))
         self._skipped.add(key)
         e.reason += f" [not executed: {why}]"
-        return None
 
     # ---- reporting -------------------------------------------------------------------------
     def throughput_by_plan(self) -> list[dict[str, Any]]:

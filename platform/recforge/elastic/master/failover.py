@@ -119,8 +119,10 @@ class Failure:
         r = self.root
         gens = f"generation(s) {self.generations}" if self.generations else "no generation"
         if r is not None:
-            return f"{self.kind}: rank {r.rank} raised {r.exc_type} at {r.where}: {r.message.splitlines()[0][:300]} ({gens})"
-        return f"{self.kind}: {self.detail or 'a worker died without an exception'} (exit code {self.exit_code}, {gens})"
+            first_line = r.message.splitlines()[0][:300]
+            return f"{self.kind}: rank {r.rank} raised {r.exc_type} at {r.where}: {first_line} ({gens})"
+        detail = self.detail or "a worker died without an exception"
+        return f"{self.kind}: {detail} (exit code {self.exit_code}, {gens})"
 
     @classmethod
     def from_launch(cls, exit_code: int | None, records: list[FailureRecord], generations: list[int],
@@ -170,8 +172,9 @@ class FailoverPolicy:
         if sig is not None:
             for old in history:
                 if old.signature == sig:
-                    return Decision(False, f"deterministic code error, not relaunched: the same exception at the same "
-                                           f"place twice (generations {old.generations} and {failure.generations}): {sig}")
+                    return Decision(False, "deterministic code error, not relaunched: the same exception at the "
+                                           f"same place twice (generations {old.generations} and "
+                                           f"{failure.generations}): {sig}")
         if restarts_used >= self.max_relaunches:
             return Decision(False, f"restart budget exhausted: {restarts_used} restart(s) used of "
                                    f"{self.max_relaunches}; last failure: {failure.describe()}")
@@ -182,7 +185,8 @@ class FailoverPolicy:
             k = grad_accumulation * 2
             if k > self.max_grad_accumulation or batch_size % k != 0:
                 return Decision(False, f"out of memory at a per-rank batch of {batch_size // grad_accumulation}; "
-                                       f"cannot halve it again (batch_size {batch_size}, accumulation {grad_accumulation})")
+                                       f"cannot halve it again (batch_size {batch_size}, "
+                                       f"accumulation {grad_accumulation})")
             return Decision(True, f"out of memory: relaunch with per-rank batch {batch_size // k} x {k} accumulation "
                                   f"steps (global batch unchanged)", grad_accumulation=k)
         if failure.kind == "hang":

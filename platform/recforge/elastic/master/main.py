@@ -14,7 +14,8 @@ import threading
 import time
 from pathlib import Path
 
-from recforge.elastic.master.service import JobMaster, shard_rows_from_manifest
+from recforge.data.manifest import shard_rows_from_manifest
+from recforge.elastic.master.service import JobMaster
 
 
 def build_parser() -> argparse.ArgumentParser:

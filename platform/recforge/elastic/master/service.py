@@ -44,6 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from recforge.data.manifest import shard_rows_from_manifest
 from recforge.elastic.master.tasks import Action, Grant, Outcome, Requeued, TaskQueue
 
 log = logging.getLogger(__name__)
@@ -67,19 +68,6 @@ class StaleGenerationError(MasterRejection):
 
 class ScaleRejectedError(MasterRejection):
     http_status = 422
-
-
-def shard_rows_from_manifest(manifest_dir: str | Path) -> list[int]:
-    """Row counts of a data manifest's shards (`manifest.json`: shards[*].rows), read as plain JSON."""
-    path = Path(manifest_dir) / "manifest.json"
-    if not path.exists():
-        raise FileNotFoundError(f"manifest not found: {path}")
-    data = json.loads(path.read_text())
-    try:
-        rows = [int(s["rows"]) for s in data["shards"]]
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}: expected shards[*].rows integers ({e!r})") from e
-    return rows
 
 
 @dataclass
@@ -188,7 +176,7 @@ class JobMaster:
         if new_launch:
             self._note(self.queue.new_launch(), "new launch")
         self._persist()
-        self._server = None
+        self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self._ticker: threading.Thread | None = None
         self._sock: socket.socket | None = None
@@ -216,13 +204,13 @@ class JobMaster:
         self.port = sock.getsockname()[1]
         self._sock = sock  # owned by uvicorn's asyncio server while it runs; closed again in stop()
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off")
-        self._server = uvicorn.Server(config)
+        server = self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, name="recforge-job-master", daemon=True
+            target=server.run, kwargs={"sockets": [sock]}, name="recforge-job-master", daemon=True
         )
         self._thread.start()
         deadline = time.monotonic() + timeout_s
-        while not self._server.started:
+        while not server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"JobMaster: server did not start on {self.host}:{self.port}")
@@ -254,7 +242,8 @@ class JobMaster:
         self.stop()
 
     # ---- operations (the endpoints call these; usable in-process too) ------------------------
-    def lease(self, worker_id: str, epoch: int | None = None, generation: int = 0, request_id: str | None = None) -> Grant:
+    def lease(self, worker_id: str, epoch: int | None = None, generation: int = 0,
+              request_id: str | None = None) -> Grant:
         with self._lock:
             self._housekeeping(worker_id, generation, register=True)
             if request_id is not None:
@@ -330,7 +319,8 @@ class JobMaster:
             self._housekeeping(worker_id, generation)
             return self.queue.snapshot(progress)
 
-    def restore(self, worker_id: str, generation: int, state: dict[str, Any] | None, reason: str = "") -> dict[str, Any]:
+    def restore(self, worker_id: str, generation: int, state: dict[str, Any] | None,
+                reason: str = "") -> dict[str, Any]:
         """Roll the queue back to a checkpoint's data state (None: to the very start: the model starts
         from its initial weights, so no row counts as trained). Called by rank 0 of a (re)started group
         before any rank leases; older generations are locked out from now on."""

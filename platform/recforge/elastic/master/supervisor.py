@@ -54,7 +54,8 @@ class Rescale:
     on_applied: Callable[[bool, str], None] | None = field(default=None, repr=False, compare=False)
 
     def changes(self, plan: ResourcePlan) -> bool:
-        return (self.workers != plan.workers or (self.threads_per_worker or plan.threads_per_worker) != plan.threads_per_worker
+        return (self.workers != plan.workers
+                or (self.threads_per_worker or plan.threads_per_worker) != plan.threads_per_worker
                 or self.grad_accumulation_factor != 1 or self.memory_factor is not None or self.relaunch)
 
     def plan_after(self, plan: ResourcePlan) -> ResourcePlan:

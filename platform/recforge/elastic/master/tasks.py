@@ -22,7 +22,7 @@ import bisect
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -46,14 +46,14 @@ class Task(BaseModel):
         return self.row_end - self.row_start
 
 
-class TaskState(str, Enum):
+class TaskState(StrEnum):
     TODO = "todo"
     DOING = "doing"
     DONE = "done"
     POISON = "poison"
 
 
-class Outcome(str, Enum):
+class Outcome(StrEnum):
     """Answer to done / release. `ok` is True for ACCEPTED and DUPLICATE (an idempotent repeat)."""
 
     ACCEPTED = "accepted"
@@ -66,7 +66,7 @@ class Outcome(str, Enum):
         return self in (Outcome.ACCEPTED, Outcome.DUPLICATE)
 
 
-class Action(str, Enum):
+class Action(StrEnum):
     TASK = "task"  # here is a task
     END_EPOCH = "end_epoch"  # nothing TODO in your epoch: end it (other tasks may still be in flight)
     WAIT = "wait"  # you are ahead: the master still waits for in-flight tasks of an older epoch; ask again
@@ -358,7 +358,8 @@ class TaskQueue:
 
     def held_by(self, worker_id: str) -> list[str]:
         """Ids of the tasks `worker_id` holds a lease on (DOING) in the current epoch."""
-        return sorted(r.task.task_id for r in self._records.values() if r.state is TaskState.DOING and r.worker_id == worker_id)
+        return sorted(r.task.task_id for r in self._records.values()
+                      if r.state is TaskState.DOING and r.worker_id == worker_id)
 
     def snapshot(self, progress: Mapping[str, int]) -> dict[str, Any]:
         """The data state a model checkpoint taken now must carry (see `recforge.train.recovery.resume`).
@@ -489,7 +490,8 @@ class TaskQueue:
         for shard, n in enumerate(self.shard_rows):
             for start in range(0, n, self.rows_per_task):
                 end = min(start + self.rows_per_task, n)
-                tasks.append(Task(task_id=_task_id(epoch, shard, start), epoch=epoch, shard=shard, row_start=start, row_end=end))
+                tasks.append(Task(task_id=_task_id(epoch, shard, start), epoch=epoch, shard=shard, row_start=start,
+                                  row_end=end))
         return tasks
 
     def _start_epoch(self) -> None:
@@ -501,7 +503,7 @@ class TaskQueue:
         orders = list(range(len(tasks)))
         if self.shuffle_seed is not None:
             random.Random(self.shuffle_seed * 1_000_003 + self.epoch).shuffle(orders)
-        for task, order in zip(tasks, orders):
+        for task, order in zip(tasks, orders, strict=True):
             self._add(_Record(task=task, order=order))
         self._maybe_advance()  # an epoch without rows is complete at once
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import replace
+from typing import Any
 
 from recforge.elastic.optimizer.events import Event
 from recforge.elastic.optimizer.memory_model import GiB, MemoryModel, MemoryTrend, embedding_shard_bytes, next_memory
@@ -35,11 +36,13 @@ class InstabilityStage:
             if smaller != plan:
                 self.pending_relaunches += 1
                 return [Event("instability", "relaunch_smaller",
-                              f"pending {obs.pending_s:.0f}s > {self.cfg.pending_timeout_s:.0f}s: relaunch with half the resources",
+                              f"pending {obs.pending_s:.0f}s > {self.cfg.pending_timeout_s:.0f}s: "
+                              "relaunch with half the resources",
                               inputs={"pending_s": obs.pending_s}, prediction={},
                               plan_before=plan.to_dict(), plan_after=smaller.to_dict(), time_s=obs.time_s)]
             return [Event("instability", "hold", f"pending {obs.pending_s:.0f}s; the plan is minimal or was already "
-                          f"relaunched smaller {self.pending_relaunches} time(s) (max {self.cfg.max_pending_relaunches})",
+                          f"relaunched smaller {self.pending_relaunches} time(s) "
+                          f"(max {self.cfg.max_pending_relaunches})",
                           inputs={"pending_s": obs.pending_s}, plan_before=plan.to_dict(), time_s=obs.time_s)]
         if obs.pending_s > 0:
             return []
@@ -47,6 +50,7 @@ class InstabilityStage:
         need = self._memory_need(obs)
         if need is not None:
             events.append(need)
+            assert need.plan_after is not None  # _memory_need always sets the plan it leads to
             plan = PodPlan.from_dict(need.plan_after)
         # stragglers
         times = [t for t in obs.worker_step_s if t and t > 0]
@@ -54,12 +58,13 @@ class InstabilityStage:
             med = statistics.median(times)
             # against the median of the *other* workers: with two workers the median of all is their mean,
             # which no step time can exceed twice
-            slow = [i for i, t in enumerate(obs.worker_step_s) if t and t > self.cfg.straggler_factor * statistics.median(
-                [u for j, u in enumerate(obs.worker_step_s) if j != i and u and u > 0] or [t])]
+            slow = [i for i, t in enumerate(obs.worker_step_s)
+                    if t and t > self.cfg.straggler_factor * statistics.median(
+                        [u for j, u in enumerate(obs.worker_step_s) if j != i and u and u > 0] or [t])]
             if slow:
                 events.append(Event("instability", "replace_straggler",
-                                    f"worker(s) {slow} step time > {self.cfg.straggler_factor}x the median of the other "
-                                    f"workers (all: {med:.3g}s): relaunch them on other nodes",
+                                    f"worker(s) {slow} step time > {self.cfg.straggler_factor}x the median of "
+                                    f"the other workers (all: {med:.3g}s): relaunch them on other nodes",
                                     inputs={"worker_step_s": list(obs.worker_step_s), "median_s": med},
                                     prediction={"samples_per_s_recovered_fraction": len(slow) / len(times)},
                                     plan_before=plan.to_dict(), plan_after=plan.to_dict(), time_s=obs.time_s))
@@ -83,14 +88,17 @@ class InstabilityStage:
                 new = plan
             events.append(Event("instability", "migrate_hot_server",
                                 f"server(s) {sorted(set(hot + hot_shards))} hot (CPU >= {self.cfg.hot_cpu_util} over "
-                                f"{self.cfg.hot_samples} samples, or load > {self.cfg.hot_shard_factor}x median): migrate to a pod "
-                                f"with {more:g} cores" + ("" if new != plan else " (limits allow no more: migrate only)"),
-                                inputs={"server_cpu_util": [list(u) for u in obs.server_cpu_util], "shard_load": list(obs.shard_load)},
+                                f"{self.cfg.hot_samples} samples, or load > {self.cfg.hot_shard_factor}x median): "
+                                f"migrate to a pod with {more:g} cores"
+                                + ("" if new != plan else " (limits allow no more: migrate only)"),
+                                inputs={"server_cpu_util": [list(u) for u in obs.server_cpu_util],
+                                        "shard_load": list(obs.shard_load)},
                                 prediction={}, plan_before=plan.to_dict(), plan_after=new.to_dict(), time_s=obs.time_s))
         elif hot_shards and not paced:
             self.last_migration_s = obs.time_s
             events.append(Event("instability", "rebalance_hot_shard",
-                                f"embedding shard(s) {hot_shards} carry > {self.cfg.hot_shard_factor}x the median load: reshard",
+                                f"embedding shard(s) {hot_shards} carry > {self.cfg.hot_shard_factor}x the median "
+                                "load: reshard",
                                 inputs={"shard_load": list(obs.shard_load)}, plan_before=plan.to_dict(),
                                 plan_after=plan.to_dict(), time_s=obs.time_s))
         return events
@@ -128,20 +136,24 @@ class InstabilityStage:
                     steps_left = tr.steps_to_exhaustion(limit)
                     if steps_left < remaining:
                         predicted = tr.predicted_at(total)
-                        reason = (f"{group} {i} memory trend ({tr.slope():.3g} B/step) reaches its {limit / GiB:.2f} GiB "
-                                  f"limit in {steps_left:.0f} steps, before the {remaining:.0f} steps left")
+                        reason = (f"{group} {i} memory trend ({tr.slope():.3g} B/step) reaches its "
+                                  f"{limit / GiB:.2f} GiB limit in {steps_left:.0f} steps, "
+                                  f"before the {remaining:.0f} steps left")
                         break
                 if (reason is None and group == "worker" and self.memory is not None and self.job.table_bytes
                         and not self.job.parameter_server):
                     shard = embedding_shard_bytes(self.job.table_bytes, plan.workers)
                     if self.memory.will_oom(limit, shard, total / plan.workers):
                         predicted = self.memory.predict(shard, total / plan.workers)
-                        reason = f"memory model predicts {predicted / GiB:.2f} GiB by step {total:.0f} > limit {limit / GiB:.2f} GiB"
+                        reason = (f"memory model predicts {predicted / GiB:.2f} GiB by step {total:.0f} "
+                                  f"> limit {limit / GiB:.2f} GiB")
             if reason is None:
                 continue
-            new_mem = next_memory(limit, needed_bytes=(predicted or 0) * cfg.memory_margin, max_step_bytes=cfg.oom_step_bytes,
+            new_mem = next_memory(limit, needed_bytes=(predicted or 0) * cfg.memory_margin,
+                                  max_step_bytes=cfg.oom_step_bytes,
                                   cap_bytes=min(cfg.memory_cap_bytes, self.limits.max_memory_per_pod))
-            new = replace(plan, **{field_name: new_mem})
+            memory_change: dict[str, Any] = {field_name: new_mem}
+            new = replace(plan, **memory_change)
             inputs = {f"{group}_memory": list(rss_list), "step": obs.step, "total_steps": total, "limit_bytes": limit}
             # DLRover: an OOM relaunch is bounded per pod (+8 GiB a step, 64 GiB), not by the job's scaling limits
             if new_mem <= limit:
@@ -149,7 +161,8 @@ class InstabilityStage:
                              inputs=inputs, prediction={"peak_bytes": predicted},
                              plan_before=plan.to_dict(), plan_after=plan.to_dict(), time_s=obs.time_s)
             return Event("instability", f"relaunch_{group}s_more_memory",
-                         reason + f": relaunch with {new_mem / GiB:.2f} GiB (double, at most +{cfg.oom_step_bytes / GiB:.0f} GiB)",
+                         reason + f": relaunch with {new_mem / GiB:.2f} GiB "
+                                  f"(double, at most +{cfg.oom_step_bytes / GiB:.0f} GiB)",
                          inputs=inputs, prediction={"peak_bytes": predicted}, plan_before=plan.to_dict(),
                          plan_after=new.to_dict(), time_s=obs.time_s)
         return None

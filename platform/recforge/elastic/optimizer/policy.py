@@ -48,7 +48,8 @@ class DLRoverPolicy:
             limits = JobLimits(**state["limits"])
             prior = ThroughputModel.from_dict(state["prior"]) if state.get("prior") else None
             memory = MemoryModel.from_dict(state["memory"]) if state.get("memory") else DEFAULT_MEMORY_MODEL
-            job = JobDescription(str(j["dataset"]), str(j["model_family"]), plan, total_samples=float(j["total_samples"]),
+            job = JobDescription(str(j["dataset"]), str(j["model_family"]), plan,
+                                 total_samples=float(j["total_samples"]),
                                  table_bytes=[float(b) for b in state.get("table_bytes") or []],
                                  host_cores=None if j.get("host_cores") is None else float(j["host_cores"]))
         except Exception as e:
@@ -60,11 +61,10 @@ class DLRoverPolicy:
 
     def stage1_state(self) -> dict[str, Any]:
         """Stage 1's outcome as JSON-able data, what `from_stage1` restores the policy from."""
-        self._need_plan()
-        job, w = self.job, self.warm
+        job, limits, w = self._need_plan()
         return {"job": {"dataset": job.dataset, "model_family": job.model_family, "total_samples": job.total_samples,
                         "host_cores": job.host_cores, "batch_size": job.requested.batch_size},
-                "limits": dict(self.limits.__dict__), "plan": w.plan.to_dict(),
+                "limits": dict(limits.__dict__), "plan": w.plan.to_dict(),
                 "prior": w.prior.to_dict() if w.prior is not None else None, "memory": w.memory.to_dict(),
                 "table_bytes": list(job.table_bytes)}
 
@@ -81,8 +81,9 @@ class DLRoverPolicy:
         if limits is None:
             limits = JobLimits.of_this_machine()
         host = x.get("host_cores", float(os.cpu_count() or 1) if job.resources.backend == "local" else None)
-        desc = JobDescription(dataset=str(x.get("dataset", "unknown")), model_family=str(x.get("model_family", "unknown")),
-                              requested=requested, total_samples=float(x.get("total_samples", job.total_rows)),
+        desc = JobDescription(dataset=str(x.get("dataset", "unknown")),
+                              model_family=str(x.get("model_family", "unknown")), requested=requested,
+                              total_samples=float(x.get("total_samples", job.total_rows)),
                               table_bytes=list(x.get("table_bytes", ())), host_cores=host)
         return desc, limits
 
@@ -96,14 +97,15 @@ class DLRoverPolicy:
         return self.warm.plan.to_resource_plan()
 
     def runtime(self) -> RuntimeStage:
-        self._need_plan()
-        return RuntimeStage(self.job, self.limits, self.config, self.warm.prior, self.warm.memory,
-                            terms=self.warm.prior.terms if self.warm.prior else None)
+        job, limits, w = self._need_plan()
+        return RuntimeStage(job, limits, self.config, w.prior, w.memory, terms=w.prior.terms if w.prior else None)
 
     def instability(self) -> InstabilityStage:
-        self._need_plan()
-        return InstabilityStage(self.job, self.limits, self.config, self.warm.memory)
+        job, limits, w = self._need_plan()
+        return InstabilityStage(job, limits, self.config, w.memory)
 
-    def _need_plan(self) -> None:
-        if self.warm is None or self.job is None:
+    def _need_plan(self) -> tuple[JobDescription, JobLimits, WarmStart]:
+        """The job, its limits and stage 1's outcome; plan() (or from_stage1) sets all three."""
+        if self.warm is None or self.job is None or self.limits is None:
             raise RuntimeError("DLRoverPolicy: call plan(job) (stage 1) first")
+        return self.job, self.limits, self.warm

@@ -47,7 +47,8 @@ class ResourcePredictor:
         if self.memory is not None:
             emb = df["embedding_bytes"] if "embedding_bytes" in df else 0.0
             step = df["step"] if "step" in df else 0.0
-            out["memory_bytes"] = self.memory.base_bytes + self.memory.emb_factor * emb + self.memory.growth_per_step * step
+            out["memory_bytes"] = (self.memory.base_bytes + self.memory.emb_factor * emb
+                                   + self.memory.growth_per_step * step)
         return out
 
 
@@ -73,7 +74,7 @@ def predicted_vs_measured_figure(model: ThroughputModel, points: Sequence[Sample
         meas = [p.samples_per_s for p in pts]
         pred = model.predict([p.allocation for p in pts])
         ax.scatter(meas, pred, label=label, marker=marker, alpha=0.8)
-        for p, x, y in zip(pts, meas, pred):
+        for p, x, y in zip(pts, meas, pred, strict=True):
             a = p.allocation
             ax.annotate(f"{a.workers}w{a.cpu_per_worker:g}c b{a.batch_size}", (x, y), fontsize=6, alpha=0.7)
     every = [p.samples_per_s for p in list(points) + list(held_out)]
@@ -91,10 +92,11 @@ def predicted_vs_measured_figure(model: ThroughputModel, points: Sequence[Sample
 
 
 def log_resource_model(store: TrackingStore, run_id: str, *, model: ThroughputModel, dataset: str, model_family: str,
-                       final_plan: dict[str, Any], memory: MemoryModel | None = None, samples_per_s: float | None = None,
-                       peak_memory_bytes: float | None = None, points: Sequence[Sample] = (),
-                       held_out: Sequence[Sample] = (), metrics: dict[str, float] | None = None,
-                       extra: dict[str, Any] | None = None, register: bool = False) -> str:
+                       final_plan: dict[str, Any], memory: MemoryModel | None = None,
+                       samples_per_s: float | None = None, peak_memory_bytes: float | None = None,
+                       points: Sequence[Sample] = (), held_out: Sequence[Sample] = (),
+                       metrics: dict[str, float] | None = None, extra: dict[str, Any] | None = None,
+                       register: bool = False) -> str:
     """Log a job's fitted models as history and as a loadable pyfunc; returns the model URI.
 
     Metrics: fit_mape, coef.<term> and `metrics` (as resource_model.<name>); with `points` / `held_out`,
@@ -104,7 +106,8 @@ def log_resource_model(store: TrackingStore, run_id: str, *, model: ThroughputMo
     record = ResourceModelRecord(dataset=dataset, model_family=model_family, final_plan=final_plan,
                                  throughput_model=model.to_dict(), memory_model=memory.to_dict() if memory else None,
                                  samples_per_s=samples_per_s, peak_memory_bytes=peak_memory_bytes, extra=extra or {})
-    m = {"fit_mape": model.fit_mape, **{f"coef.{t}": c for t, c in zip(model.terms, model.coef)}, **(metrics or {})}
+    m = {"fit_mape": model.fit_mape, **{f"coef.{t}": c for t, c in zip(model.terms, model.coef, strict=True)},
+         **(metrics or {})}
     fig = None
     if points or held_out:
         fig = predicted_vs_measured_figure(model, points, held_out, f"{dataset}/{model_family}: {model.describe()}")

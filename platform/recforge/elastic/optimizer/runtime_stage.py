@@ -46,9 +46,11 @@ class RuntimeStage:
             self.model.add(Sample(obs.plan.allocation(self.job.host_cores), float(obs.samples_per_s)), refit=False)
             self.samples_at_plan += 1
         if self.samples_at_plan < self.cfg.profile_samples:
-            return self._hold(f"profiling: {self.samples_at_plan} of {self.cfg.profile_samples} samples at this plan", obs)
+            return self._hold(f"profiling: {self.samples_at_plan} of {self.cfg.profile_samples} samples at this plan",
+                              obs)
         if self.last_change_s is not None and obs.time_s - self.last_change_s < self.cfg.interval_s:
-            return self._hold(f"pacing: {obs.time_s - self.last_change_s:.0f}s since the last change < {self.cfg.interval_s:.0f}s", obs)
+            return self._hold(f"pacing: {obs.time_s - self.last_change_s:.0f}s since the last change "
+                              f"< {self.cfg.interval_s:.0f}s", obs)
         if self.model.samples:
             try:
                 self.model.refit()
@@ -57,7 +59,8 @@ class RuntimeStage:
         model = self.model.model
         if model is None:
             return self._hold(f"no model yet ({self.model.status})", obs, action="fallback")
-        allow_servers = self.last_server_change_s is None or obs.time_s - self.last_server_change_s >= self.cfg.server_interval_s
+        allow_servers = (self.last_server_change_s is None
+                         or obs.time_s - self.last_server_change_s >= self.cfg.server_interval_s)
         start, notes = self._rightsize(obs, allow_servers) if self.cfg.rightsize else (obs.plan, [])
         try:
             plan, moves = search(start, model, self.limits, self.cfg, self.job, self.memory,
@@ -84,7 +87,8 @@ class RuntimeStage:
                                       allow_servers=allow_servers, frozen=self._idle_groups(obs))
             why = (f"best growth {grow.action} has marginal ratio {grow.ratio:.2f} < {self.cfg.min_gain_ratio}"
                    if grow is not None else "no growth fits the limits")
-            return self._hold(why, obs, prediction={"samples_per_s": model.predict(obs.plan.allocation(self.job.host_cores))})
+            return self._hold(why, obs,
+                              prediction={"samples_per_s": model.predict(obs.plan.allocation(self.job.host_cores))})
         self.last_change_s = obs.time_s
         if any("server" in m.action for m in moves):
             self.last_server_change_s = obs.time_s
@@ -92,7 +96,8 @@ class RuntimeStage:
         pred_now = model.predict(obs.plan.allocation(self.job.host_cores))
         pred_new = model.predict(plan.allocation(self.job.host_cores))
         return [Event("runtime", "+".join((["rightsize"] if notes else []) + [m.action for m in moves]),
-                      ("; ".join(notes) + "; then " if notes else "") + f"{len(moves)} unit move(s), marginal ratios {[round(m.ratio, 3) for m in moves]} "
+                      ("; ".join(notes) + "; then " if notes else "")
+                      + f"{len(moves)} unit move(s), marginal ratios {[round(m.ratio, 3) for m in moves]} "
                       f"(threshold {self.cfg.min_gain_ratio} to grow, {self.cfg.shrink_ratio} to shrink)",
                       inputs={"observed_samples_per_s": obs.samples_per_s, "model_status": self.model.status,
                               "model": model.to_dict(), "samples": len(self.model.samples)},
@@ -121,7 +126,8 @@ class RuntimeStage:
                 notes.append(f"workers use at most {u:.0%} of {plan.cpu_per_worker:g} cores: {target:g} cores each")
                 plan = replace(plan, cpu_per_worker=float(target))
         if allow_servers and plan.servers > 0 and obs.server_cpu_util:
-            u = max(statistics.fmean(x) for x in obs.server_cpu_util if len(x)) if any(len(x) for x in obs.server_cpu_util) else 1.0
+            used = [statistics.fmean(x) for x in obs.server_cpu_util if len(x)]
+            u = max(used) if used else 1.0
             target = max(1.0, math.ceil(u * plan.cpu_per_server * cfg.cpu_headroom))
             if u < cfg.low_util and target < plan.cpu_per_server:
                 notes.append(f"servers use at most {u:.0%} of {plan.cpu_per_server:g} cores: {target:g} cores each")

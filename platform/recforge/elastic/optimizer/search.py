@@ -5,6 +5,7 @@ into the job's limits."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from recforge.elastic.optimizer.memory_model import GiB, MemoryModel, embedding_shard_bytes
 from recforge.elastic.optimizer.plans import JobDescription, JobLimits, OptimizerConfig, PodPlan, ResourceLimitError
@@ -31,9 +32,11 @@ def candidates(plan: PodPlan, grow: bool, ps: bool) -> list[tuple[str, PodPlan]]
     """The unit moves from `plan` (add or remove one worker, server or core per pod), named by action."""
     d = 1 if grow else -1
     verb = "add" if grow else "remove"
-    changes = [("worker", {"workers": plan.workers + d}), ("cpu_per_worker", {"cpu_per_worker": plan.cpu_per_worker + d})]
+    changes: list[tuple[str, dict[str, Any]]] = [("worker", {"workers": plan.workers + d}),
+                                                 ("cpu_per_worker", {"cpu_per_worker": plan.cpu_per_worker + d})]
     if ps:
-        changes += [("server", {"servers": plan.servers + d}), ("cpu_per_server", {"cpu_per_server": plan.cpu_per_server + d})]
+        changes += [("server", {"servers": plan.servers + d}),
+                    ("cpu_per_server", {"cpu_per_server": plan.cpu_per_server + d})]
     out = []
     for name, change in changes:
         if min(change.values()) < 1:
@@ -46,8 +49,9 @@ def memory_for(plan: PodPlan, job: JobDescription, mem: MemoryModel, cfg: Optimi
     """Worker memory follows the worker count: the embedding shard shrinks as workers are added."""
     if job.parameter_server or not job.table_bytes:
         return plan
+    # the memory model counts per-worker steps
     need = mem.required_bytes(embedding_shard_bytes(job.table_bytes, plan.workers),
-                              job_steps(job, plan) / plan.workers, cfg.memory_margin)  # the memory model counts per-worker steps
+                              job_steps(job, plan) / plan.workers, cfg.memory_margin)
     return replace(plan, memory_per_worker=max(floor, need))
 
 
@@ -76,7 +80,7 @@ def best_moves(plan: PodPlan, model: ThroughputModel, limits: JobLimits, cfg: Op
     base, base_cost = float(thr[0]), plan_cost(plan, cfg)
     avg = base / base_cost
     grow, shrink = None, None
-    for (is_grow, action, p), t in zip(cands, thr[1:]):
+    for (is_grow, action, p), t in zip(cands, thr[1:], strict=True):
         gain = float(t) - base
         cost = plan_cost(p, cfg) - base_cost
         if cost == 0:
@@ -104,7 +108,8 @@ def search(plan: PodPlan, model: ThroughputModel, limits: JobLimits, cfg: Optimi
                 break  # never undo a shrink in the same search
             moves.append(grow)
             plan = grow.plan
-        elif shrink is not None and shrink.ratio < cfg.shrink_ratio and (not moves or moves[-1].action.startswith("remove")):
+        elif (shrink is not None and shrink.ratio < cfg.shrink_ratio
+              and (not moves or moves[-1].action.startswith("remove"))):
             moves.append(shrink)
             plan = shrink.plan
         else:
@@ -129,7 +134,8 @@ def clamp(plan: PodPlan, limits: JobLimits) -> PodPlan:
         elif p.cpu_per_worker > limits.min_cpu_per_worker:
             p = replace(p, cpu_per_worker=max(limits.min_cpu_per_worker, min(p.cpu_per_worker - 1, limits.cpu)))
         elif p.memory_per_worker > limits.min_memory_per_pod:
-            p = replace(p, memory_per_worker=max(limits.min_memory_per_pod, min(limits.memory, p.memory_per_worker / 2)))
+            p = replace(p, memory_per_worker=max(limits.min_memory_per_pod,
+                                                 min(limits.memory, p.memory_per_worker / 2)))
         elif p.servers > 1:
             p = replace(p, servers=p.servers - 1)
         elif p.cpu_per_server > 1:

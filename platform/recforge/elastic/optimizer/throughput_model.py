@@ -25,6 +25,7 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import overload
 
 import numpy as np
 from scipy.optimize import nnls
@@ -101,14 +102,17 @@ TERMS: dict[str, tuple[Callable[[dict[str, np.ndarray]], np.ndarray], str]] = {
     "const": (lambda v: np.ones_like(v["w"]), "fixed per-step overhead (launch, optimizer, python)"),
     "b_per_cpu": (lambda v: v["b"] / v["c"], "worker compute that threads parallelise"),
     "b": (lambda v: v["b"], "per-sample work that threads do not speed up"),
-    "b_per_cpu_oversub": (lambda v: v["b"] / v["c"] * _oversub(v), "worker compute, slowed when threads exceed the host's cores"),
+    "b_per_cpu_oversub": (lambda v: v["b"] / v["c"] * _oversub(v),
+                          "worker compute, slowed when threads exceed the host's cores"),
     "b_oversub": (lambda v: v["b"] * _oversub(v), "serial per-sample work, slowed by oversubscription"),
-    "b_threads": (lambda v: v["b"] * (v["c"] - 1), "per-sample cost of extra threads contending (spin-waits on a busy host)"),
+    "b_threads": (lambda v: v["b"] * (v["c"] - 1),
+                  "per-sample cost of extra threads contending (spin-waits on a busy host)"),
     "bw_threads": (lambda v: v["b"] * v["w"] * (v["c"] - 1), "thread contention that grows with co-located workers"),
     "w": (lambda v: v["w"], "collective / fan-out latency growing with workers"),
     "bw": (lambda v: v["b"] * v["w"], "all-to-all / gradient volume growing with global batch"),
     "log_w": (lambda v: np.log2(v["w"]), "tree/ring collective latency"),
-    "ps_load": (lambda v: np.where(v["p"] > 0, v["w"] / _safe_p(v) * v["b"] / v["cp"], 0.0), "server compute per server: (w/p)*B/cpu_p"),
+    "ps_load": (lambda v: np.where(v["p"] > 0, v["w"] / _safe_p(v) * v["b"] / v["cp"], 0.0),
+                "server compute per server: (w/p)*B/cpu_p"),
     "ps_fanin": (lambda v: np.where(v["p"] > 0, v["w"] / _safe_p(v), 0.0), "requests per server: w/p"),
     "ps_count": (lambda v: v["p"], "fan-out to p servers"),
 }
@@ -163,12 +167,18 @@ class ThroughputModel:
         t = design_matrix(allocs, self.terms) @ np.asarray(self.coef)
         return np.maximum(t, 1e-12)
 
+    @overload
+    def predict(self, allocs: Allocation) -> float: ...
+
+    @overload
+    def predict(self, allocs: Sequence[Allocation]) -> np.ndarray: ...
+
     def predict(self, allocs: Sequence[Allocation] | Allocation) -> np.ndarray | float:
         """samples/s for each allocation (a float for a single one)."""
         single = isinstance(allocs, Allocation)
-        lst = [allocs] if single else list(allocs)
-        w = np.array([a.workers for a in lst], float)
-        b = np.array([a.batch_size for a in lst], float)
+        lst = [allocs] if isinstance(allocs, Allocation) else list(allocs)
+        w = np.array([a.workers for a in lst], dtype=float)
+        b = np.array([a.batch_size for a in lst], dtype=float)
         out = w * b / self.step_time(lst)
         return float(out[0]) if single else out
 
@@ -185,13 +195,14 @@ class ThroughputModel:
             raise ModelFitError(f"not a throughput model: missing or bad field ({e!r})") from e
 
     def describe(self) -> str:
-        return " + ".join(f"{c:.3g}*{t}" for t, c in zip(self.terms, self.coef))
+        return " + ".join(f"{c:.3g}*{t}" for t, c in zip(self.terms, self.coef, strict=True))
 
 
 def _check(samples: Sequence[Sample]) -> None:
     bad = [s for s in samples if not (s.samples_per_s > 0 and math.isfinite(s.samples_per_s))]
     if bad:
-        raise ModelFitError(f"throughput must be finite and > 0; bad points: {[(s.allocation, s.samples_per_s) for s in bad[:3]]}")
+        raise ModelFitError("throughput must be finite and > 0; bad points: "
+                            f"{[(s.allocation, s.samples_per_s) for s in bad[:3]]}")
 
 
 def fit(samples: Sequence[Sample], terms: Sequence[str], *, prior: ThroughputModel | None = None,
@@ -219,11 +230,11 @@ def fit(samples: Sequence[Sample], terms: Sequence[str], *, prior: ThroughputMod
     X0 = design_matrix(allocs, terms) / t[:, None] if samples else np.zeros((0, len(terms)))
     P, q = np.zeros((0, len(terms))), np.zeros(0)
     if prior is not None and prior_strength > 0:
-        pc = dict(zip(prior.terms, prior.coef))
+        pc = dict(zip(prior.terms, prior.coef, strict=True))
         pvec = np.array([pc.get(k, 0.0) for k in terms])
         ref = allocs or [Allocation(1, 1.0, 512)]
         cols = np.abs(design_matrix(ref, terms)).mean(axis=0)
-        tref = float(np.mean(t)) if len(t) else float(ThroughputModel(terms, pvec).step_time(ref).mean())
+        tref = float(np.mean(t)) if len(t) else float(ThroughputModel(terms, tuple(pvec)).step_time(ref).mean())
         # a coefficient's scale: its prior value, or what would make its term 10% of a step
         scale = np.where(pvec > 0, pvec, 0.1 * tref / np.maximum(cols, 1e-12))
         P, q = prior_strength * np.diag(1.0 / scale), prior_strength * pvec / scale
@@ -327,16 +338,18 @@ class OnlineThroughputModel:
 
     def refit(self) -> bool:
         self._since = 0
-        if self.distinct_configs < self.min_points and self.prior is None:
-            self.status = f"too few configurations ({self.distinct_configs} < {self.min_points}) and no prior: no model"
-            return False
         if self.distinct_configs < self.min_points:
+            if self.prior is None:
+                self.status = (f"too few configurations ({self.distinct_configs} < {self.min_points}) "
+                               "and no prior: no model")
+                return False
             # calibrate the prior's level to what we see, keep its shape
             obs = np.array([s.samples_per_s for s in self.samples])
             pred = self.prior.predict([s.allocation for s in self.samples])
             k = float(np.median(pred / obs))
             self.model = ThroughputModel(self.prior.terms, tuple(c * k for c in self.prior.coef),
-                                         fit_mape=mape(pred / k, obs), n_points=len(obs), meta={"source": "prior scaled"})
+                                         fit_mape=mape(pred / k, obs), n_points=len(obs),
+                                         meta={"source": "prior scaled"})
             self.status = f"prior scaled by {1 / k:.3f} ({self.distinct_configs} configuration(s) seen)"
             return True
         self.model = fit(self.samples, self.terms, prior=self.prior,
@@ -385,7 +398,8 @@ class ProfileFit:
     def summary(self) -> dict:
         return {"terms": list(self.model.terms), "coef": list(self.model.coef), "fit_mape": self.model.fit_mape,
                 "cv_mape": self.selection.cv_mape, "held_out_mape": self.held_out_mape,
-                "held_out": [[s.allocation.workers, s.allocation.cpu_per_worker, s.allocation.batch_size] for s in self.held_out],
+                "held_out": [[s.allocation.workers, s.allocation.cpu_per_worker, s.allocation.batch_size]
+                             for s in self.held_out],
                 "n_train": len(self.train), "top_subsets": [[list(t), m] for t, m in self.selection.ranking[:5]]}
 
 

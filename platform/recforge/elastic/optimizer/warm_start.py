@@ -35,12 +35,14 @@ def _memory_from_history(plan: PodPlan, records: Sequence[JobRecord], mems: Sequ
     if peaks and not mems:
         plan = replace(plan, memory_per_worker=max(peaks) * cfg.memory_margin)
     # a server's share of the embeddings scales with 1/servers: convert each job's peak to this plan's count
-    server_need = [r.extra["peak_server_memory"] * max(int(r.final_plan.get("servers", 1) or 1), 1) / max(plan.servers, 1)
+    server_need = [r.extra["peak_server_memory"] * max(int(r.final_plan.get("servers", 1) or 1), 1)
+                   / max(plan.servers, 1)
                    for r in records if r.extra.get("peak_server_memory")]
     if server_need and plan.servers > 0:
         total = max(server_need) * plan.servers * cfg.memory_margin
         servers = max(plan.servers, math.ceil(total / limits.max_memory_per_pod))  # spread what one pod cannot hold
-        plan = replace(plan, servers=min(servers, limits.max_servers), memory_per_server=total / min(servers, limits.max_servers))
+        plan = replace(plan, servers=min(servers, limits.max_servers),
+                       memory_per_server=total / min(servers, limits.max_servers))
     return plan
 
 
@@ -50,9 +52,11 @@ def combine_models(models: Sequence[ThroughputModel]) -> ThroughputModel:
     for m in models:
         by_terms.setdefault(tuple(m.terms), []).append(m)
     terms, group = max(by_terms.items(), key=lambda kv: len(kv[1]))
-    coef = [statistics.median(m.coef[i] for m in group) for i in range(len(terms))]
-    return ThroughputModel(terms, coef, fit_mape=statistics.median(m.fit_mape for m in group if not math.isnan(m.fit_mape)) if any(not math.isnan(m.fit_mape) for m in group) else float("nan"),
-                           n_points=sum(m.n_points for m in group), meta={"source": f"median of {len(group)} history models"})
+    coef = tuple(statistics.median(m.coef[i] for m in group) for i in range(len(terms)))
+    fitted = [m.fit_mape for m in group if not math.isnan(m.fit_mape)]
+    return ThroughputModel(terms, coef, fit_mape=statistics.median(fitted) if fitted else float("nan"),
+                           n_points=sum(m.n_points for m in group),
+                           meta={"source": f"median of {len(group)} history models"})
 
 
 @dataclass
@@ -88,7 +92,8 @@ def warm_start(job: JobDescription, history: History | None, limits: JobLimits,
     requested = clamp(job.requested, limits)
 
     try:
-        return _warm_from_history(job, limits, cfg, default_model, records, models, mems, memory, requested, inputs, events)
+        return _warm_from_history(job, limits, cfg, default_model, records, models, mems, memory, requested, inputs,
+                                  events)
     except ResourceLimitError:
         raise
     except Exception as e:  # never crash inside the optimizer: fall back to the requested plan, say why
@@ -112,19 +117,20 @@ def history_points(records: Sequence[JobRecord]) -> list[Sample]:
     return out
 
 
-def _refit_on_history(records, prior: ThroughputModel | None) -> tuple[ThroughputModel | None, str]:
+def _refit_on_history(records: Sequence[JobRecord], prior: ThroughputModel) -> tuple[ThroughputModel, str]:
     """Past runs of similar jobs at different plans are profile points of the same model: fit them together."""
     pts = history_points(records)
     configs = {(s.allocation.workers, s.allocation.cpu_per_worker, s.allocation.batch_size, s.allocation.servers,
                 s.allocation.cpu_per_server) for s in pts}
-    if prior is None or len(configs) < 3:
+    if len(configs) < 3:
         return prior, ""
     try:
         m = fit(pts, prior.terms, prior=prior, prior_strength=0.3)
     except Exception as e:  # keep the prior; say why
         return prior, f"; refit on {len(pts)} history points failed ({e!r})"
     m.meta = {"source": f"refit on {len(pts)} points of {len(records)} similar runs ({len(configs)} configurations)"}
-    return m, f"; refitted on {len(pts)} measured points of past runs ({len(configs)} configurations), MAPE {m.fit_mape:.1%}"
+    return m, (f"; refitted on {len(pts)} measured points of past runs ({len(configs)} configurations), "
+               f"MAPE {m.fit_mape:.1%}")
 
 
 def _median_plan(requested: PodPlan, records: Sequence[JobRecord], job: JobDescription) -> PodPlan | None:
@@ -147,7 +153,10 @@ def _median_plan(requested: PodPlan, records: Sequence[JobRecord], job: JobDescr
     return plan
 
 
-def _warm_from_history(job, limits, cfg, default_model, records, models, mems, memory, requested, inputs, events) -> WarmStart:
+def _warm_from_history(job: JobDescription, limits: JobLimits, cfg: OptimizerConfig,
+                       default_model: ThroughputModel | None, records: list[JobRecord], models: list[ThroughputModel],
+                       mems: list[MemoryModel], memory: MemoryModel, requested: PodPlan, inputs: dict[str, Any],
+                       events: list[Event]) -> WarmStart:
     if models:
         prior, refit_note = _refit_on_history(records, combine_models(models))
         # DLRover predicts a plan close to the final one: start from where similar jobs ended (their median
@@ -161,20 +170,22 @@ def _warm_from_history(job, limits, cfg, default_model, records, models, mems, m
         plan = clamp(plan, limits)
         pred = prior.predict(plan.allocation(job.host_cores))
         events.append(Event("warm_start", "initial_plan",
-                            f"{len(models)} similar job(s) with a fitted model: greedy search on their median model{refit_note} "
-                            f"({len(moves)} unit moves from their median final plan, stopped at marginal ratio < {cfg.min_gain_ratio})",
+                            f"{len(models)} similar job(s) with a fitted model: greedy search on their median "
+                            f"model{refit_note} ({len(moves)} unit moves from their median final plan, stopped at "
+                            f"marginal ratio < {cfg.min_gain_ratio})",
                             inputs={**inputs, "model": prior.to_dict()},
                             prediction={"samples_per_s": pred,
                                         "requested_samples_per_s": prior.predict(requested.allocation(job.host_cores))},
                             plan_before=job.requested.to_dict(), plan_after=plan.to_dict()))
         return WarmStart(plan, events, prior, memory, records)
 
-    plan = _median_plan(requested, records, job)
-    if plan is not None:
-        plan = clamp(_memory_from_history(plan, records, mems, cfg, limits), limits)
+    median = _median_plan(requested, records, job)
+    if median is not None:
+        plan = clamp(_memory_from_history(median, records, mems, cfg, limits), limits)
         events.append(Event("warm_start", "initial_plan",
                             f"{len(records)} similar job(s) but no usable fitted model: median of their final plans",
-                            inputs=inputs, prediction={}, plan_before=job.requested.to_dict(), plan_after=plan.to_dict()))
+                            inputs=inputs, prediction={}, plan_before=job.requested.to_dict(),
+                            plan_after=plan.to_dict()))
         return WarmStart(plan, events, default_model, memory, records)
 
     reason = "no similar job in history: cold start with the requested plan (clamped to the limits)"

@@ -18,7 +18,8 @@ def simulate_cmd(
     nodes: int = typer.Option(100, help="cluster nodes"),
     cpu_per_node: float = typer.Option(32.0, help="cores per node"),
     memory_per_node_gib: float = typer.Option(128.0, help="memory per node (GiB)"),
-    arrival_window_h: float | None = typer.Option(None, help="arrivals spread over this many hours (default: 72 h per 1,000 jobs)"),
+    arrival_window_h: float | None = typer.Option(
+        None, help="arrivals spread over this many hours (default: 72 h per 1,000 jobs)"),
     policies: str = typer.Option("static,optimus,dlrover", help="comma-separated: static, optimus, dlrover, "
                                  "dlrover-nowarm, dlrover-nostage3, dlrover-nofailover"),
     seed: int = typer.Option(0, help="trace and fault seed (the run is deterministic under it)"),
@@ -40,7 +41,8 @@ def simulate_cmd(
     overrides = json.loads(params_json.read_text()) if params_json else {}
     unknown = set(overrides) - set(TraceParams.__dataclass_fields__)
     if unknown:
-        raise typer.BadParameter(f"unknown trace parameters {sorted(unknown)}; known: {sorted(TraceParams.__dataclass_fields__)}")
+        raise typer.BadParameter(f"unknown trace parameters {sorted(unknown)}; "
+                                 f"known: {sorted(TraceParams.__dataclass_fields__)}")
     window = arrival_window_h if arrival_window_h is not None else 72.0 * jobs / 1000
     tp = TraceParams(**{"n_jobs": jobs, "arrival_window_h": window, **overrides})
     cluster = ClusterSpec(nodes=nodes, cpu_per_node=cpu_per_node, memory_per_node=memory_per_node_gib * (1 << 30))
@@ -52,7 +54,8 @@ def simulate_cmd(
     params = SimParams(eviction_per_node_h=tp.eviction_per_node_h)
     results, timings = simulate_policies(trace, names, cluster, params, seed)
     wall = time.perf_counter() - t0
-    console.print(report.table(results, f"{jobs} jobs on {nodes} nodes x {cpu_per_node:g} cores, seed {seed} ({wall:.1f}s)"))
+    console.print(report.table(results,
+                               f"{jobs} jobs on {nodes} nodes x {cpu_per_node:g} cores, seed {seed} ({wall:.1f}s)"))
     if "static" in names and len(names) > 1:
         console.print(report.versus_table(results))
     if out is not None:

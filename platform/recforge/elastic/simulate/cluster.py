@@ -57,6 +57,6 @@ class Cluster:
         return where
 
     def release(self, pods: list[tuple[float, float]], where: list[int]) -> None:
-        for (c, m), j in zip(pods, where):
+        for (c, m), j in zip(pods, where, strict=True):
             self.free_cpu[j] += c
             self.free_mem[j] += m

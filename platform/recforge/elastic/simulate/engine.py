@@ -137,14 +137,15 @@ class Simulation:
 
     def _truth(self, r: JobRun, plan: PodPlan | None = None) -> tuple[float, float, float, float]:
         p, j = plan or r.plan, r.job
-        slow = j.straggler[1] if r.straggling else None
+        slow = j.straggler[1] if r.straggling and j.straggler else None
         rate = truth.throughput(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker, p.servers, p.cpu_per_server,
                                 j.hot_server, slow)
         cw, cs = truth.cpu_used(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker, p.servers, p.cpu_per_server,
                                 j.hot_server)
         smem = truth.server_memory_need(j.emb_bytes, r.done, j.emb_growth_per_sample, p.servers, 1.0)
         hot_mem = truth.server_memory_need(j.emb_bytes, r.done, j.emb_growth_per_sample, p.servers, j.hot_server)
-        used_mem = min(j.worker_mem, p.memory_per_worker) * p.workers + smem * (p.servers - 1) + min(hot_mem, p.memory_per_server)
+        used_mem = (min(j.worker_mem, p.memory_per_worker) * p.workers + smem * (p.servers - 1)
+                    + min(hot_mem, p.memory_per_server))
         return rate, cw + cs, used_mem, hot_mem
 
     def _set_rate(self, r: JobRun, t: float) -> None:
@@ -173,11 +174,13 @@ class Simulation:
         j, p = r.job, r.plan
         rng = np.random.default_rng((self.seed, j.job_id, r.ticks))
         rate, cpu, _, hot_mem = self._truth(r)
-        step_t = truth.step_time(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker, p.servers, p.cpu_per_server, j.hot_server)
+        step_t = truth.step_time(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker, p.servers,
+                                 p.cpu_per_server, j.hot_server)
         steps = [step_t] * p.workers
-        if r.straggling:
+        if r.straggling and j.straggler:
             steps[0] = step_t * j.straggler[1]
-        cw, cs = truth.cpu_used(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker, p.servers, p.cpu_per_server, j.hot_server)
+        cw, cs = truth.cpu_used(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker, p.servers, p.cpu_per_server,
+                                j.hot_server)
         wu = min(1.0, cw / (p.workers * p.cpu_per_worker))
         u = cs / max(p.servers * p.cpu_per_server, 1e-9)
         utils = [[min(1.0, u * j.hot_server)] * 3] + [[min(1.0, u)] * 3] * (p.servers - 1)
@@ -255,9 +258,9 @@ class Simulation:
             return
         events = self.policy.on_pending(r.job, Observation(time_s=t, plan=r.plan, pending_s=waited))
         self._record(r, events)
-        change = next((e for e in events if e.changes_plan), None)
-        if change is not None:
-            r.plan = PodPlan.from_dict(change.plan_after)
+        new_plan = next((e.plan_after for e in events if e.changes_plan and e.plan_after is not None), None)
+        if new_plan is not None:
+            r.plan = PodPlan.from_dict(new_plan)
             r.plan_changes += 1
             if self._try_start(r, t):
                 self.pending.remove(jid)
@@ -289,7 +292,7 @@ class Simulation:
         for e in events:
             if e.action == "replace_straggler" and r.straggling:
                 r.straggling, r.straggler_fixed = False, True
-            if not e.changes_plan:
+            if not e.changes_plan or e.plan_after is None:  # (a plan change always has plan_after)
                 continue
             new = PodPlan.from_dict(e.plan_after)
             if self._resize(r, new, t):
@@ -302,7 +305,8 @@ class Simulation:
         pods = self._pods(new)
         where = self.cluster.place(pods)
         if where is None:  # no room: keep the old pods exactly where they were
-            for (c, m), n in zip(old_pods, old_where):
+            assert old_where is not None  # only placed (running) jobs are resized
+            for (c, m), n in zip(old_pods, old_where, strict=True):
                 self.cluster.free_cpu[n] -= c
                 self.cluster.free_mem[n] -= m
             r.pods, r.where = old_pods, old_where
@@ -343,9 +347,9 @@ class Simulation:
             self._schedule_pending(t)
             return
         r.resume_at = t + self.params.restart_s
-        change = next((e for e in events if e.changes_plan), None)
-        if change is not None:
-            self._resize(r, PodPlan.from_dict(change.plan_after), t)
+        new_plan = next((e.plan_after for e in events if e.changes_plan and e.plan_after is not None), None)
+        if new_plan is not None:
+            self._resize(r, PodPlan.from_dict(new_plan), t)
             r.resume_at = max(r.resume_at, t + self.params.restart_s)
         self._set_rate(r, t)
 
@@ -385,7 +389,7 @@ class Simulation:
     def _result(self) -> dict[str, Any]:
         runs = list(self.runs.values())
         done = [r for r in runs if r.status == "done"]
-        jct = np.array([r.finish - r.job.arrival_s for r in done]) if done else np.zeros(0)
+        jct = np.array([r.finish - r.job.arrival_s for r in done if r.finish is not None]) if done else np.zeros(0)
         wait = np.array([(r.start - r.job.arrival_s) for r in runs if r.start is not None]) if runs else np.zeros(0)
         a = self.acc
         end = max((r.finish or self.now) for r in runs) if runs else 0.0
@@ -412,7 +416,8 @@ class Simulation:
             "plan_changes": int(sum(r.plan_changes for r in runs)),
             "jct_h": sorted((jct / 3600).tolist()),
             "per_job": [{"job": r.job.job_id, "status": r.status, "misconfig": r.job.misconfig,
-                         "jct_h": (r.finish - r.job.arrival_s) / 3600 if r.status == "done" else None}
+                         "jct_h": (r.finish - r.job.arrival_s) / 3600
+                         if r.status == "done" and r.finish is not None else None}
                         for r in runs],
         }
 

@@ -137,4 +137,5 @@ def make_policy(name: str, config: OptimizerConfig = OptimizerConfig()) -> SimPo
             raise ValueError(f"unknown dlrover variant flags {sorted(unknown)}")
         return DLRoverPolicySim(config, warm="nowarm" not in flags, instability="nostage3" not in flags,
                                 failover="nofailover" not in flags)
-    raise ValueError(f"unknown policy {name!r}; choose static, optimus, dlrover (or dlrover-nowarm/-nostage3/-nofailover)")
+    raise ValueError(f"unknown policy {name!r}; "
+                     "choose static, optimus, dlrover (or dlrover-nowarm/-nostage3/-nofailover)")

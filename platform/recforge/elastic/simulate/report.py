@@ -75,7 +75,8 @@ def versus_table(results: Sequence[dict[str, Any]]):
     return t
 
 
-def write(results: Sequence[dict[str, Any]], out_dir: str | Path, meta: dict[str, Any] | None = None) -> dict[str, Path]:
+def write(results: Sequence[dict[str, Any]], out_dir: str | Path,
+          meta: dict[str, Any] | None = None) -> dict[str, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "simulation.json"}
@@ -108,7 +109,7 @@ def plot(results: Sequence[dict[str, Any]], out_dir: Path) -> dict[str, Path]:
     fig, axes = plt.subplots(1, 3, figsize=(10, 3.5))
     names = [r["policy"] for r in results]
     for ax, key, label in zip(axes, ("completion_rate", "cpu_utilization", "memory_utilization"),
-                              ("completion rate", "CPU utilization", "memory utilization")):
+                              ("completion rate", "CPU utilization", "memory utilization"), strict=True):
         ax.bar(names, [100 * r[key] for r in results], color=["#999", "#69c", "#c63", "#6a6", "#a6a"][: len(names)])
         ax.set_title(label)
         ax.set_ylabel("%")

@@ -29,6 +29,7 @@ Every number below is a parameter of `TraceParams`; the defaults and why:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TypedDict
 
 import numpy as np
 
@@ -36,8 +37,15 @@ from recforge.elastic.simulate.truth import server_memory_need, throughput
 
 GiB = float(1 << 30)
 
+
+class Family(TypedDict):
+    compute: float                 # multiplier on the worker compute coefficient
+    server: float                  # multiplier on the server load coefficient
+    emb_gib: tuple[float, float]   # embedding size range, GiB
+
+
 # family -> multipliers on the base ground-truth coefficients (compute, server load) and embedding GiB range
-FAMILIES = {
+FAMILIES: dict[str, Family] = {
     "wide_deep": {"compute": 0.6, "server": 0.8, "emb_gib": (6, 30)},
     "deepfm": {"compute": 1.0, "server": 1.0, "emb_gib": (10, 50)},
     "dcn": {"compute": 1.6, "server": 0.9, "emb_gib": (8, 40)},
@@ -174,7 +182,8 @@ def generate_trace(params: TraceParams = TraceParams(), seed: int = 0) -> list[T
         request = _request(kind, expert, worker_mem, need_s0, need_s1, params.user_padding, rng,
                            (params.max_pod_cpu, params.max_pod_memory_gib * GiB))
         request["batch_size"] = batch
-        straggler = (float(rng.uniform(0.05, 0.8)), float(rng.uniform(3, 6))) if rng.random() < params.p_straggler else None
+        straggler = ((float(rng.uniform(0.05, 0.8)), float(rng.uniform(3, 6)))
+                     if rng.random() < params.p_straggler else None)
         jobs.append(TraceJob(jid, float(t), sc["name"], sc["family"], batch, float(samples), coef, sc["gamma"],
                              worker_mem, emb, per_sample, kind, request, expert, straggler, hot))
     return jobs

@@ -8,7 +8,8 @@ with g < 1 (extra cores help sublinearly, which the policies' model, linear in 1
 assume) and `hot` >= 1 the load factor of the hottest server (every step waits for it). A straggling
 worker runs `slow` times slower; dynamic data sharding lets the others take its share, so the job
 loses (1 - 1/slow) of one worker. CPU in use: the core-seconds of compute per step over the step time
-(more cores than the work can use are idle; half the fixed overhead keeps one core busy). Server memory: base + (embeddings now) / p x hot share.
+(more cores than the work can use are idle; half the fixed overhead keeps one core busy). Server memory:
+base + (embeddings now) / p x hot share.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def throughput(coef: dict, g: float, b: int, w: int, cw: float, p: int, cs: floa
     return eff * b / t
 
 
-def cpu_used(coef: dict, g: float, b: int, w: int, cw: float, p: int, cs: float, hot: float = 1.0) -> tuple[float, float]:
+def cpu_used(coef: dict, g: float, b: int, w: int, cw: float, p: int, cs: float,
+             hot: float = 1.0) -> tuple[float, float]:
     """Cores busy on average: (all workers, all servers)."""
     t = step_time(coef, g, b, w, cw, p, cs, hot)
     workers = w * (coef["a1"] * b * cw ** (1 - g) + 0.5 * coef["a0"]) / t  # the fixed overhead runs on one core

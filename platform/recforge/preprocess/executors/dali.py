@@ -23,7 +23,7 @@ from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.columns import Col, check_batch, finish, sources
 from recforge.preprocess.executors.fused import FusedExecutor
-from recforge.preprocess.planning.compiler import FusedGroup
+from recforge.preprocess.planning.compiler import CompileMethod, FusedGroup
 from recforge.preprocess.planning.graph import Node
 from recforge.preprocess.planning.plan import Plan
 from recforge.preprocess.semantics.ops import logit_bounds
@@ -62,6 +62,7 @@ def _value_type(node: Node, parent_type: str | None, source_kind: str) -> str:
         return "id"
     if node.op == "onehot":
         return "float"
+    assert parent_type is not None  # only fill_null (above) starts a chain
     return parent_type
 
 
@@ -113,7 +114,7 @@ def fallback_summary(compiled, dataset: DatasetConfig) -> dict[str, Any]:
 class DaliExecutor:
     name = "dali"
 
-    def __init__(self, plan: Plan, dataset: DatasetConfig, method: str = "milp", num_threads: int = 1,
+    def __init__(self, plan: Plan, dataset: DatasetConfig, method: CompileMethod = "milp", num_threads: int = 1,
                  device: str = "cpu"):
         if not dali_available():
             raise RuntimeError("the dali executor needs NVIDIA DALI: pip install nvidia-dali-cuda130==2.4.0")
@@ -135,9 +136,9 @@ class DaliExecutor:
         self._outputs = [n.id for n in graph.nodes if in_dali[n.id] and n.id in needed
                          and (n.id in graph.outputs.values()
                               or any(not in_dali[c] for c in graph.children.get(n.id, [])))]
-        self._rest = [FusedGroup(g.layer, g.op, g.cls, tuple(i for i in g.nodes if not in_dali[i]))
-                      for g in self.compiled.groups]
-        self._rest = [(gi, g) for gi, g in enumerate(self._rest) if g.nodes]
+        rest = [FusedGroup(g.layer, g.op, g.cls, tuple(i for i in g.nodes if not in_dali[i]))
+                for g in self.compiled.groups]
+        self._rest = [(gi, g) for gi, g in enumerate(rest) if g.nodes]
         self._hash_nodes = [n.id for n in graph.nodes if in_dali[n.id] and n.op == "sigrid_hash"]
         self._hash_params = np.array([v for i in self._hash_nodes for v in (self._salt_bits(i), self._modulus(i))],
                                      dtype=np.uint64)

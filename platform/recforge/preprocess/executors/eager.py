@@ -9,7 +9,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
-from recforge.preprocess.columns import BatchError, Col, check_batch, finish, sources
+from recforge.preprocess.columns import BatchError, Col, SourceKind, check_batch, finish, sources
 from recforge.preprocess.planning.plan import FeaturePlan, Plan
 from recforge.preprocess.semantics import ops
 
@@ -30,11 +30,11 @@ def apply_op(feature: FeaturePlan, op: str, params: dict[str, Any], col: Col) ->
     if op in _ELEMENTWISE:
         return Col(_ELEMENTWISE[op](col.values, params), col.lengths)
     if op == "firstx":
-        if col.jagged:
+        if col.lengths is not None:
             return Col(*ops.firstx_jagged(col.values, col.lengths, params["X"]))
         return Col(ops.firstx(col.values, params["X"]))
     if op == "ngram":
-        if col.jagged:
+        if col.lengths is not None:
             return Col(*ops.ngram_jagged(col.values, col.lengths, params["n"]))
         return Col(ops.ngram(col.values, params["n"]))
     if op == "onehot":
@@ -45,7 +45,7 @@ def apply_op(feature: FeaturePlan, op: str, params: dict[str, Any], col: Col) ->
     raise ValueError(f"feature {feature.name!r}: no eager implementation of op {op!r}")
 
 
-def read_source(feature: FeaturePlan, raw: RawBatch, kind: str, index: int) -> Col:
+def read_source(feature: FeaturePlan, raw: RawBatch, kind: SourceKind, index: int) -> Col:
     """fill_null (the first op) applied to the feature's raw source column."""
     value = feature.ops[0].params["value"]
     if kind == "sparse" and feature.source in raw.jagged:

@@ -17,6 +17,7 @@ the values are the grouped kernels'. Otherwise (list columns in the batch, wider
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.columns import BatchError, Col, check_batch, finish, sources
 from recforge.preprocess.executors.chain import ChainProgram, NotChainable, chain_program
-from recforge.preprocess.planning.compiler import CompiledPlan, FusedGroup, compile_plan
+from recforge.preprocess.planning.compiler import CompiledPlan, CompileMethod, FusedGroup, compile_plan
 from recforge.preprocess.planning.graph import Node
 from recforge.preprocess.planning.plan import Plan
 from recforge.preprocess.semantics.ops import logit_bounds
@@ -60,7 +61,7 @@ def _flat_lists(lists: list[list], dtype: torch.dtype) -> tuple[Tensor, list[int
 class FusedExecutor:
     name = "fused"
 
-    def __init__(self, plan: Plan, dataset: DatasetConfig, method: str = "milp",
+    def __init__(self, plan: Plan, dataset: DatasetConfig, method: CompileMethod = "milp",
                  compiled: CompiledPlan | None = None, prune: bool = True, single_pass: bool = True):
         plan.validate_for(dataset)
         self.plan, self.dataset, self.prune = plan, dataset, prune
@@ -83,7 +84,7 @@ class FusedExecutor:
     @torch.no_grad()
     def __call__(self, raw: RawBatch) -> tuple[Tensor, KeyedJaggedTensor]:
         check_batch(raw, self.dataset, self.plan)
-        if self._single_pass(raw):
+        if self._chain is not None and self._single_pass(raw):
             self.calls = 1
             dense, ids = self._chain.run(raw)
             keys = self.plan.sparse_features()
@@ -125,7 +126,8 @@ class FusedExecutor:
             reads: list[int | None] = [None] if n.id in outputs else []
             for c in graph.children.get(n.id, []):
                 reads.append(self._input_demand(self._nodes[c], demand[c], width[n.id]))
-            demand[n.id] = None if (not reads or None in reads) else max(reads)
+            known = [r for r in reads if r is not None]
+            demand[n.id] = max(known) if reads and len(known) == len(reads) else None
         return width, demand
 
     @staticmethod
@@ -145,7 +147,7 @@ class FusedExecutor:
         if group.op == "fill_null":
             self._fill_null(nodes, raw, vals)
             return
-        cols = [vals[n.parent] for n in nodes]
+        cols = [vals[n.input_id] for n in nodes]
         if group.op in ("firstx", "ngram"):
             self._rows_op(group.op, nodes, cols, vals)
         elif group.op == "onehot":
@@ -201,7 +203,7 @@ class FusedExecutor:
                 continue
             w, k = c.values.shape[1], nodes[i].params[key]
             d = self.demand[nodes[i].id] if self.prune else None
-            if op == "ngram" and d is not None and d <= min(k, self._width[nodes[i].parent]):
+            if op == "ngram" and d is not None and d <= min(k, self._width[nodes[i].input_id]):
                 vals[nodes[i].id] = Col(c.values[:, :d])  # the first window's prefix is all anyone reads
                 continue
             if op == "firstx" or k >= w:
@@ -257,7 +259,7 @@ class FusedExecutor:
         if op == "clamp":
             ids = [i for i in every if cols[i].values.dtype == torch.int64]
             fl = [i for i in every if i not in ids]
-            out = []
+            out: list[tuple[list[int], Callable[[list[Tensor]], list[Tensor]]]] = []
             if ids:
                 lo_i, hi_i = [int(p[i]["lo"]) for i in ids], [int(p[i]["hi"]) for i in ids]
                 out.append((ids, lambda xs: call(F.fused_clamp_id, xs, lo_i, hi_i)))
@@ -276,6 +278,6 @@ class FusedExecutor:
                     if same:
                         out.append((same, lambda xs: [x.clone() for x in xs]))
                     if conv:
-                        out.append((conv, lambda xs, fn=fn: call(fn, xs)))
+                        out.append((conv, partial(call, fn)))  # call(fn, xs), this iteration's fn
             return out
         raise ValueError(f"FusedExecutor: no fused kernel for op {op!r}")

@@ -16,6 +16,8 @@ from typing import Any, Literal
 from recforge.preprocess.planning.graph import BatchClass, OpGraph, build_graph
 from recforge.preprocess.planning.plan import Plan
 
+CompileMethod = Literal["milp", "greedy"]  # RAP's layer assignment (MILP), or grouping by depth
+
 DEFAULT_LAYERS = 8  # RAP's L
 
 
@@ -37,7 +39,7 @@ class CompiledPlan:
     graph: OpGraph
     layer_of: dict[int, int]
     groups: list[FusedGroup]  # execution order: by layer, then class, then op
-    method: str
+    method: CompileMethod
     objective: int
     solve_time_s: float
     solver_status: str = "n/a"
@@ -78,7 +80,7 @@ def check_layers(graph: OpGraph, layer_of: dict[int, int], num_layers: int | Non
 
 
 def groups_of(graph: OpGraph, layer_of: dict[int, int]) -> list[FusedGroup]:
-    by_key: dict[tuple[int, str, str], list[int]] = defaultdict(list)
+    by_key: dict[tuple[int, BatchClass, str], list[int]] = defaultdict(list)
     for n in graph.nodes:
         by_key[(layer_of[n.id], n.cls, n.op)].append(n.id)
     return [FusedGroup(layer=layer, op=op, cls=cls, nodes=tuple(ids))
@@ -97,7 +99,7 @@ def num_layers_for(graph: OpGraph, layers: int = DEFAULT_LAYERS) -> int:
 
 
 def compile_plan(
-    plan: Plan, method: Literal["milp", "greedy"] = "milp", layers: int = DEFAULT_LAYERS, time_limit_s: float = 30.0,
+    plan: Plan, method: CompileMethod = "milp", layers: int = DEFAULT_LAYERS, time_limit_s: float = 30.0,
 ) -> CompiledPlan:
     """Build the DAG and assign layers; `method` "milp" is RAP's layer assignment, "greedy" groups by depth."""
     graph = build_graph(plan)

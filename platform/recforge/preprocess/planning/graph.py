@@ -33,6 +33,13 @@ class Node:
         """RAP's fusion type: op name and batch class (e.g. `sigrid_hash_sparse`)."""
         return f"{self.op}_{self.cls}"
 
+    @property
+    def input_id(self) -> int:
+        """The node whose values this one reads; a root (fill_null, reading the raw source column) has none."""
+        if self.parent is None:
+            raise ValueError(f"node {self.id} ({self.type}) is a root: it reads the raw source column")
+        return self.parent
+
 
 @dataclass
 class OpGraph:
@@ -99,5 +106,6 @@ def build_graph(plan: Plan) -> OpGraph:
                 if parent is not None:
                     children.setdefault(parent, []).append(node.id)
             parent = index[key]
+        assert parent is not None  # a feature has at least one op (FeaturePlan.ops: min_length=1)
         outputs[f.name] = parent
     return OpGraph(nodes=nodes, outputs=outputs, children=children)

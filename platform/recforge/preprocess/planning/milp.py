@@ -116,7 +116,11 @@ def layers_milp(graph: OpGraph, num_layers: int, time_limit_s: float = 30.0) -> 
     for k, (u, v, _) in enumerate(pairs):
         gain[n_x + k] = 2 * weight[u] * weight[v]
 
-    rows, cols, vals, lo, hi = [], [], [], [], []
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    lo: list[float] = []
+    hi: list[float] = []
 
     def add_row(entries: list[tuple[int, float]], lb: float, ub: float) -> None:
         r = len(lo)

@@ -74,8 +74,8 @@ def boxcox(x: Tensor, lmbda: float | Tensor) -> Tensor:
         lam = torch.where(zero, torch.ones_like(lam64), lam64)
         y = torch.where(zero, torch.log(safe), (torch.pow(safe, lam) - 1.0) / lam)
     else:
-        lam = float(torch.tensor(lmbda, dtype=torch.float32))  # lambda is a float32 parameter
-        y = torch.log(safe) if lam == 0 else (torch.pow(safe, lam) - 1.0) / lam
+        lam_f = float(torch.tensor(lmbda, dtype=torch.float32))  # lambda is a float32 parameter
+        y = torch.log(safe) if lam_f == 0 else (torch.pow(safe, lam_f) - 1.0) / lam_f
     return torch.where(pos, y.to(torch.float32), x)
 
 
@@ -86,9 +86,12 @@ def bucketize(x: Tensor, borders: Sequence[float] | Tensor) -> Tensor:
 
 
 def clamp(x: Tensor, lo: float | Tensor, hi: float | Tensor) -> Tensor:
-    """min(max(x, lo), hi); NaN stays NaN."""
-    if isinstance(lo, Tensor):
+    """min(max(x, lo), hi); NaN stays NaN. ``lo`` and ``hi``: both tensors (broadcast) or both numbers."""
+    if isinstance(lo, Tensor) and isinstance(hi, Tensor):
         return torch.minimum(torch.maximum(x, lo), hi)
+    if isinstance(lo, Tensor) or isinstance(hi, Tensor):
+        raise TypeError(f"clamp: lo and hi must both be tensors or both numbers, got {type(lo).__name__} "
+                        f"and {type(hi).__name__}")
     return torch.clamp(x, lo, hi)
 
 
@@ -106,7 +109,7 @@ def sigrid_hash(x: Tensor, salt: int, M: int | Tensor) -> Tensor:
     return torch.ops.recforge.sigrid_hash(x, salt, M)
 
 
-def sigrid_hash_inline(x: Tensor, salt: int | Tensor, M: int | Tensor) -> Tensor:
+def sigrid_hash_inline(x: Tensor, salt: int, M: int | Tensor) -> Tensor:
     """The same values as `sigrid_hash`, in plain torch ops (so torch.compile can fuse them); M >= 1."""
     h = sigrid_hash_raw(x, salt)
     return torch.remainder(h, M)

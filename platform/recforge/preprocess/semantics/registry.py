@@ -19,6 +19,7 @@ from itertools import pairwise
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -286,7 +287,7 @@ def parse_params(op: str, params: dict[str, Any]) -> _Params:
         raise OpError("; ".join(_describe(err) for err in e.errors())) from None
 
 
-def _describe(err: dict[str, Any]) -> str:
+def _describe(err: ErrorDetails) -> str:
     name = ".".join(str(p) for p in err["loc"]) or "params"
     if err["type"] == "missing":
         return f"missing parameter {name!r}"

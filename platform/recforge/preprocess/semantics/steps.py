@@ -5,7 +5,7 @@ parameters that change shapes or tables (X, n, C, borders, map, cast target, sal
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +30,8 @@ def _per_feature(values: list[float], dtype: torch.dtype) -> Tensor:
 
 
 class FillNull(Step):
+    value: Tensor  # buffer
+
     def __init__(self, values: list[float], kind: str):
         super().__init__()
         self.kind = kind
@@ -42,15 +44,18 @@ class FillNull(Step):
 
 
 class Cast(Step):
-    def __init__(self, to: str):
+    def __init__(self, to: Literal["float", "id"]):
         super().__init__()
-        self.to = to
+        self.target = to  # not `to`: that would shadow nn.Module.to
 
     def forward(self, x: Tensor, valid: Tensor) -> Tensor:
-        return ops.cast(x, self.to)
+        return ops.cast(x, self.target)
 
 
 class Logit(Step):
+    lo: Tensor  # buffer
+    hi: Tensor  # buffer
+
     def __init__(self, eps: list[float]):
         super().__init__()
         # both bounds rounded from double, as torch.clamp(x, eps, 1 - eps) and the reference do
@@ -62,6 +67,8 @@ class Logit(Step):
 
 
 class BoxCox(Step):
+    lmbda: Tensor  # buffer
+
     def __init__(self, lmbda: list[float]):
         super().__init__()
         self.register_buffer("lmbda", _per_feature(lmbda, torch.float32), persistent=False)
@@ -71,6 +78,8 @@ class BoxCox(Step):
 
 
 class Bucketize(Step):
+    borders: Tensor  # buffer
+
     def __init__(self, borders: list[float]):
         super().__init__()
         self.register_buffer("borders", torch.tensor(borders, dtype=torch.float32), persistent=False)
@@ -80,6 +89,9 @@ class Bucketize(Step):
 
 
 class Clamp(Step):
+    lo: Tensor  # buffer
+    hi: Tensor  # buffer
+
     def __init__(self, lo: list[float], hi: list[float], dtype: torch.dtype):
         super().__init__()
         if dtype == torch.int64:
@@ -101,6 +113,8 @@ class FirstX(Step):
 
 
 class NGram(Step):
+    index: Tensor  # buffer
+
     def __init__(self, n: int, width: int):
         super().__init__()
         self.register_buffer("index", ops.ngram_index(width, n), persistent=False)
@@ -110,6 +124,9 @@ class NGram(Step):
 
 
 class OneHot(Step):
+    lo: Tensor  # buffer
+    hi: Tensor  # buffer
+
     def __init__(self, lo: list[float], hi: list[float], C: int):
         super().__init__()
         self.C = C
@@ -121,6 +138,8 @@ class OneHot(Step):
 
 
 class MapId(Step):
+    table: Tensor  # buffer
+
     def __init__(self, table: list[int]):
         super().__init__()
         self.register_buffer("table", torch.tensor(table, dtype=torch.int64), persistent=False)
@@ -132,6 +151,7 @@ class MapId(Step):
 class SigridHash(Step):
     """One salt for the group, one modulus per feature (features differ in table size)."""
 
+    moduli: Tensor  # buffer
     def __init__(self, salt: int, moduli: list[int], inline: bool = False):
         super().__init__()
         self.salt, self.inline = salt, inline

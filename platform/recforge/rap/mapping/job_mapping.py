@@ -1,5 +1,5 @@
-"""A pipeline job's RAP mapping: the mapping MILP (recforge.rap.mapping.milp) over the job's measured costs, compared with
-TorchRec's planner, and the placements as JSON.
+"""A pipeline job's RAP mapping: the mapping MILP (recforge.rap.mapping.milp) over the job's measured costs, compared
+with TorchRec's planner, and the placements as JSON.
 
     result = plan_mapping(plan, dataset, tables, embedding_dim, world_size, batch_size, profile, timer, model=cfg.model)
     result.placements                       # {table: Placement}: give them to shard_model(placements=...)
@@ -15,7 +15,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torchrec import EmbeddingBagCollection
@@ -23,7 +23,8 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
 from recforge.config import DatasetConfig, ModelConfig, TrainConfig
 from recforge.preprocess.executor import make_executor
-from recforge.preprocess.planning.compiler import CompiledPlan, compile_plan
+from recforge.preprocess.executors.fused import FusedExecutor
+from recforge.preprocess.planning.compiler import CompiledPlan, CompileMethod, compile_plan
 from recforge.preprocess.planning.plan import Plan
 from recforge.rap.mapping.milp import (
     MappingCosts,
@@ -46,7 +47,8 @@ from recforge.train.model import EBC_PATH, build_dlrm, embedding_configs
 from recforge.train.sharding import make_planner, plan_summary
 
 KINDS = ("table_wise", "column_wise", "data_parallel")
-COMPILE_METHOD = "greedy"  # the workers' executors compile the plan this way (recforge.rap.mapping.worker_mapping)
+# the workers' executors compile the plan this way (recforge.rap.mapping.worker_mapping)
+COMPILE_METHOD: CompileMethod = "greedy"
 
 
 # ------------------------------------------------------------------ JSON
@@ -111,7 +113,7 @@ def prep_costs(compiled: CompiledPlan, timer: GroupTimer) -> tuple[dict[str, flo
             # t(k units) = launch + sum of their marginals: from the parts alone and the whole
             launch = min(max((sum(alone) - whole) / (len(units) - 1), 0.0), min(alone))
         fixed += launch
-        for unit, t in zip(units, alone):
+        for unit, t in zip(units, alone, strict=True):
             for f in unit:
                 per_feature[f] += (t - launch) / len(unit)
     return per_feature, fixed
@@ -216,8 +218,8 @@ def plan_mapping(plan: Plan, dataset: DatasetConfig, tables: Sequence[tuple[str,
                  time_limit_s: float = 30.0) -> MappingResult:
     """The job's table placements: mapping.solve over the costs described in the module doc.
 
-    timer: ms of a fused group of `compiled` at `batch_size` rows (recforge.rap.profiling.kernel_timer.group_timer); None
-    times the fused executor on synthetic rows of `dataset` here. compiled: the compilation the timer's groups come
+    timer: ms of a fused group of `compiled` at `batch_size` rows (recforge.rap.profiling.kernel_timer.group_timer);
+    None times the fused executor on synthetic rows of `dataset` here. compiled: the compilation the timer's groups come
     from (default: the plan compiled as the workers compile it). model: checks the profile's model digest, counts
     the dense parameters (all-reduce estimate) and is what the planner plans. train: its sharding must leave the
     choice open (sharding 'auto', fused_embeddings), as the MILP chooses among all three kinds.
@@ -238,7 +240,7 @@ def plan_mapping(plan: Plan, dataset: DatasetConfig, tables: Sequence[tuple[str,
     if profile is not None:
         check_profile(profile, world_size, batch_size, model, tables)
     if timer is None:
-        executor = make_executor("fused", plan, dataset, method=COMPILE_METHOD, compiled=compiled)
+        executor = cast(FusedExecutor, make_executor("fused", plan, dataset, method=COMPILE_METHOD, compiled=compiled))
         compiled, timer = executor.compiled, group_timer(executor, dataset, batch_size)
     elif compiled is None:
         compiled = compile_plan(plan, method=COMPILE_METHOD)
@@ -247,15 +249,15 @@ def plan_mapping(plan: Plan, dataset: DatasetConfig, tables: Sequence[tuple[str,
     num_dense = len(plan.dense_features())
     device_type = profile.key.device if profile is not None else "cpu"
 
-    before, planner_error = None, None
-    if profile is None:
-        before = planner_placements(tables, embedding_dim, world_size, train, model, num_dense, device_type)
-    elif compare_planner:
+    before: dict[str, Placement] | None = None
+    planner_error = None
+    if profile is not None and compare_planner:
         try:
             before = planner_placements(tables, embedding_dim, world_size, train, model, num_dense, device_type)
         except Exception as e:  # the comparison is a report: a planner that finds no plan does not stop the MILP
             planner_error = f"{type(e).__name__}: {e}"
     if profile is None:  # nothing to trade preprocessing against: keep the planner's placement
+        before = planner_placements(tables, embedding_dim, world_size, train, model, num_dense, device_type)
         costs = MappingCosts(world_size=world_size, batch_size=batch_size, base_ms=0.0, lookup_ms_per_value=0.0,
                              allreduce_ms_per_value=0.0, dense_prep_ms=fixed_ms, capacity_ms=[0.0] * world_size,
                              memory_values=memory_bytes_per_rank / bytes_per_value,

@@ -15,9 +15,9 @@ records the rows it trained, so every row is still trained exactly once.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from recforge.preprocess.batch import RawBatch
 from recforge.rap.mapping.mapped_input import MappedFeatures
 from recforge.rap.runtime.corun_batches import CorunBatch, CorunReadAhead
 from recforge.rap.runtime.corun_runtime import CorunConfigError, CorunRuntime
-from recforge.train.batches import Batch, TaskBatches, TaskClient, slice_raw
+from recforge.train.batches import Batch, LeasedTask, TaskBatches, TaskClient, slice_raw
 
 
 class LeaseFailed(str):
@@ -62,14 +62,15 @@ class MappedTaskBatches(TaskBatches):
         if not self.hold_task():
             return None
         w, b, r = self.world_size, self.batch_size, self.rank
-        start, end = self._offset, min(self._offset + w * b, self._raw.rows)
+        _, rows = self.held()
+        start, end = self._offset, min(self._offset + w * b, rows.rows)
         self._offset = end
         slices = [(min(start + k * b, end), min(start + (k + 1) * b, end)) for k in range(w)]
-        padded = [slice_raw(self._raw, a, z).pad_to(b) for a, z in slices]
+        padded = [slice_raw(rows, a, z).pad_to(b) for a, z in slices]
         mine_a, mine_z = slices[r]
         raw = MappedRaw(local=padded[r][0], global_=RawBatch.concat([p for p, _ in padded]), weights=padded[r][1],
                         real=mine_z - mine_a)
-        return self.stamp(self.prepare_mapped(raw), mine_a, mine_z, last=end >= self._raw.rows)
+        return self.stamp(self.prepare_mapped(raw), mine_a, mine_z, last=end >= rows.rows)
 
     def prepare_mapped(self, raw: MappedRaw) -> Batch:
         """Preprocess now (inline); the co-run source overrides it to launch the kernels into the next step."""
@@ -89,7 +90,7 @@ class MappedTaskBatches(TaskBatches):
         """The rank that leased the task reports it done and holds its progress (every rank is at its offset)."""
         return self._leaser.get(task_id) == self.rank
 
-    def lease_task(self):
+    def lease_task(self) -> LeasedTask | None:
         """Rank (turn mod W) leases, the others receive the task (or None) from its broadcast."""
         src = self._leases % self.world_size
         self._leases += 1
@@ -132,10 +133,10 @@ class MappedCorunBatches(CorunReadAhead, MappedTaskBatches):
 
     def prepare_mapped(self, raw: MappedRaw) -> CorunBatch:
         raws = [raw.global_, raw.local] if self._has_global else [raw.local]
-        return CorunBatch(dense=None, sparse=None, labels=raw.local.label.to(self.device),
+        return CorunBatch(dense=None, sparse=None, labels=raw.local.label.to(self.device),  # type: ignore[arg-type]  # filled by complete()
                           weights=raw.weights.to(self.device), real=raw.real, pending=self.runtime.launch_many(raws))
 
     def complete(self, batch: CorunBatch) -> None:
-        outputs = batch.pending.results()
+        outputs = batch.launched().results()
         dense, local_kjt = outputs[-1]
         batch.dense, batch.sparse = dense, self.features(local_kjt, outputs[0][1] if self._has_global else None)

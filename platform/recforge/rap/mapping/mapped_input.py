@@ -82,7 +82,7 @@ class MappedInput:
             raise MappedInputError("mapped input: mean-pooled tables need torchrec's input distribution (divisor); "
                                    "the mapping handles SUM pooling")
         shardings = []
-        for kind, sharding in zip(sebc._sharding_types, sebc._embedding_shardings):
+        for kind, sharding in zip(sebc._sharding_types, sebc._embedding_shardings, strict=True):
             if kind in GLOBAL_TYPES:
                 keys = sharding.feature_names_per_rank()[rank]
             elif kind in LOCAL_TYPES:
@@ -95,7 +95,7 @@ class MappedInput:
         self._original_forward = sebc.forward
 
     @classmethod
-    def install(cls, model: torch.nn.Module, rank: int, world_size: int) -> "MappedInput":
+    def install(cls, model: torch.nn.Module, rank: int, world_size: int) -> MappedInput:
         """Find the sharded EBC in `model` (a DMP) and swap its forward for the mapped one; idempotent. The
         instance attribute shadows the class's forward, so module hooks still run around it."""
         sebc = _sharded_ebc(model)

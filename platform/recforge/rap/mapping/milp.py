@@ -142,14 +142,16 @@ def solve(tables: Sequence[TableLoad], costs: MappingCosts, time_limit_s: float 
     obj = np.zeros(n)
     obj[iz] = 1.0
     obj[iu:iz] = 1e-6
-    lo, hi = [], []
+    lo: list[float] = []
+    hi: list[float] = []
     a = lil_matrix((len(tables) + 3 * w, n))
     row = 0
-    for ti, t in enumerate(tables):  # one placement each
+    for t in tables:  # one placement each
         for j, (tj, _) in enumerate(cands):
             if tj is t:
                 a[row, j] = 1
-        lo.append(1), hi.append(1)
+        lo.append(1)
+        hi.append(1)
         row += 1
     for r in range(w):
         # prep_r - u_r <= capacity_r - dense_prep
@@ -157,7 +159,8 @@ def solve(tables: Sequence[TableLoad], costs: MappingCosts, time_limit_s: float 
             if ld.prep[r]:
                 a[row, j] = ld.prep[r]
         a[row, iu + r] = -1
-        lo.append(-np.inf), hi.append(costs.capacity_ms[r] - costs.dense_prep_ms)
+        lo.append(-np.inf)
+        hi.append(costs.capacity_ms[r] - costs.dense_prep_ms)
         row += 1
         # train_r + u_r - z <= -base
         for j, ld in enumerate(loads):
@@ -165,12 +168,14 @@ def solve(tables: Sequence[TableLoad], costs: MappingCosts, time_limit_s: float 
                 a[row, j] = ld.train[r]
         a[row, iu + r] = 1
         a[row, iz] = -1
-        lo.append(-np.inf), hi.append(-costs.base_ms)
+        lo.append(-np.inf)
+        hi.append(-costs.base_ms)
         row += 1
         for j, ld in enumerate(loads):
             if ld.memory[r]:
                 a[row, j] = ld.memory[r]
-        lo.append(-np.inf), hi.append(costs.memory_values)
+        lo.append(-np.inf)
+        hi.append(costs.memory_values)
         row += 1
     integrality = np.zeros(n)
     integrality[:nx] = 1
@@ -183,7 +188,7 @@ def solve(tables: Sequence[TableLoad], costs: MappingCosts, time_limit_s: float 
     if res.x is None:
         raise MappingError(f"no table placement fits (HiGHS: {res.message}); check memory_values "
                            f"({costs.memory_values}) against the tables")
-    chosen = {t.name: p for (t, p), x in zip(cands, res.x[:nx]) if x > 0.5}
+    chosen = {t.name: p for (t, p), x in zip(cands, res.x[:nx], strict=True) if x > 0.5}
     return MappingResult(chosen, evaluate(tables, chosen, costs), elapsed, res.message, nx,
                          info={"objective_ms": float(res.x[iz])})
 
@@ -193,8 +198,9 @@ def brute_force(tables: Sequence[TableLoad], costs: MappingCosts) -> tuple[float
     best: tuple[float, dict[str, Placement]] = (float("inf"), {})
     options = [candidate_placements(costs.world_size, t.dim) for t in tables]
     for combo in itertools.product(*options):
-        chosen = {t.name: p for t, p in zip(tables, combo)}
-        mem = sum(placement_load(t, p, costs).memory for t, p in zip(tables, combo))
+        chosen = {t.name: p for t, p in zip(tables, combo, strict=True)}
+        mem = sum((placement_load(t, p, costs).memory for t, p in zip(tables, combo, strict=True)),
+                  np.zeros(costs.world_size))
         if (mem > costs.memory_values + 1e-9).any():
             continue
         value = max(evaluate(tables, chosen, costs).step_ms)
@@ -213,7 +219,8 @@ def check_tables(plan: Plan, table_names: Sequence[str]) -> None:
         raise MappingError(f"plan {plan.name!r}: sparse features {sorted(feats - tables)} have no table in the "
                            f"sharding plan (tables: {sorted(tables)})")
     if tables - feats:
-        raise MappingError(f"sharding plan tables {sorted(tables - feats)} are not sparse features of plan {plan.name!r}")
+        raise MappingError(f"sharding plan tables {sorted(tables - feats)} are not sparse features of "
+                           f"plan {plan.name!r}")
 
 
 def rank_features(plan: Plan, placements: Mapping[str, Placement], rank: int) -> tuple[list[str], list[str]]:

@@ -89,7 +89,8 @@ def load_mapping(path: str | Path, world_size: int, rank: int, dim: int | None =
         planned = placements_from_json(json.dumps(doc["placements"]))
         return WorkerMapping(placements_for_world(planned, world_size, dim), [], world_size, int(doc["batch_size"]))
     if len(doc["ranks"]) != world_size:
-        raise MappingFileError(f"mapping file {path}: {len(doc['ranks'])} ranks of schedules for world size {world_size}")
+        raise MappingFileError(f"mapping file {path}: {len(doc['ranks'])} ranks of schedules for "
+                               f"world size {world_size}")
     placements = placements_from_json(json.dumps(doc["placements"]))
     schedules = [CorunSchedule.from_json(json.dumps(s)) for s in doc["ranks"][rank]]
     return WorkerMapping(placements, schedules, world_size, int(doc["batch_size"]))
@@ -102,13 +103,14 @@ def mapped_jobs(plan: Plan, dataset: DatasetConfig, mapping: WorkerMapping, rank
     schedules' `rows` follow it (their kernels do not depend on it; the planned rows stay in `planned_rows`)."""
     batch_size = batch_size or mapping.batch_size
     local, global_ = split_rank_plan(plan, mapping.placements, rank)
-    subs = {"global": global_, "local": local}
+    subs: dict[str | None, Plan | None] = {"global": global_, "local": local}
     jobs = []
     for sched in mapping.schedules:
         job = sched.meta.get("job")
         sub = subs.get(job)
         if sub is None:
-            raise MappingFileError(f"mapping: rank {rank}'s schedule for job {job!r} has no plan under these placements")
+            raise MappingFileError(f"mapping: rank {rank}'s schedule for job {job!r} has no plan under "
+                                   "these placements")
         if sched.plan_name != sub.name:
             raise MappingFileError(f"mapping: rank {rank}'s {job} schedule is for plan {sched.plan_name!r}, "
                                    f"expected {sub.name!r}")

@@ -6,11 +6,13 @@ import logging
 import statistics
 from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from recforge.config import DatasetConfig, ModelConfig
 from recforge.preprocess.executor import make_executor
+from recforge.preprocess.executors.fused import FusedExecutor
 from recforge.preprocess.planning.compiler import CompiledPlan, FusedGroup
 from recforge.preprocess.planning.plan import Plan
 from recforge.rap.planning.schedule import CorunSchedule, group_features, restrict, whole_kernel_schedule
@@ -28,7 +30,7 @@ def plan_schedule(plan: Plan, dataset: DatasetConfig, model: ModelConfig, world_
                   profile: StageProfile | None = None) -> CorunSchedule:
     """The workers' schedule: RAP's scheduler over `profile` (or the one stored under `profile_dir` for this job),
     with the simulator's predicted iteration time in its meta; without a profile every kernel in `stage`."""
-    executor = make_executor("fused", plan, dataset)
+    executor = cast(FusedExecutor, make_executor("fused", plan, dataset))
     compiled: CompiledPlan = executor.compiled
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # time the kernels with the co-run thread's budget
@@ -65,10 +67,11 @@ def measured_kernel_cost(compiled: CompiledPlan, timer: GroupTimer, batch_size: 
     def cost(sim_compiled: CompiledPlan, group: FusedGroup, rows) -> float:
         feats = group_features(sim_compiled, group)
         found = {owner.get((group.layer, group.op, group.cls, f)) for f in feats}
-        if None in found or len(found) != 1:
+        counterpart = found.pop() if len(found) == 1 else None
+        if counterpart is None:
             raise ValueError(f"simulator group {group.name} (features {list(feats)}) has no single counterpart among "
                              f"the executor's fused groups {[g.name for g in compiled.groups]}")
-        part = restrict(compiled, found.pop(), feats)
+        part = restrict(compiled, counterpart, feats)
         nodes = {n.id: n for n in sim_compiled.graph.nodes}
         scale = statistics.fmean(rows(nodes[n]) for n in group.nodes) / batch_size
         return timer(part) * scale

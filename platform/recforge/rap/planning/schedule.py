@@ -26,8 +26,9 @@ restrict(compiled, group, features) -> FusedGroup   one part (ScheduleError when
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from recforge.preprocess.planning.compiler import CompiledPlan, FusedGroup
 from recforge.rap.profiling.stages import STAGES
@@ -85,10 +86,11 @@ def restrict(compiled: CompiledPlan, group: FusedGroup | str, features: Iterable
     known = set(group_features(compiled, g))
     unknown = [f for f in wanted if f not in known]
     if unknown:
-        raise ScheduleError(f"group {g.name!r}: features {unknown} are not computed by it; its features: {sorted(known)}")
+        raise ScheduleError(f"group {g.name!r}: features {unknown} are not computed by it; "
+                            f"its features: {sorted(known)}")
     wanted_set = set(wanted)
     nodes = []
-    for node, unit in zip(g.nodes, split_units(compiled, g)):
+    for node, unit in zip(g.nodes, split_units(compiled, g), strict=True):
         inside = [f for f in unit if f in wanted_set]
         if inside and len(inside) != len(unit):
             raise ScheduleError(f"group {g.name!r}: node {node} computes features {list(unit)} together; a part "
@@ -111,7 +113,8 @@ class CorunSchedule:
         out: dict[str, list[Assignment]] = {s: [] for s in self.stages}
         for a in self.assignments:
             if a.stage not in out:
-                raise ScheduleError(f"assignment of group {a.group!r} names stage {a.stage!r}, not one of {list(self.stages)}")
+                raise ScheduleError(f"assignment of group {a.group!r} names stage {a.stage!r}, "
+                                    f"not one of {list(self.stages)}")
             out[a.stage].append(a)
         return out
 
@@ -128,7 +131,7 @@ class CorunSchedule:
         }, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "CorunSchedule":
+    def from_json(cls, text: str) -> CorunSchedule:
         data = json.loads(text)
         for key in ("plan_name", "stages", "assignments"):
             if key not in data:
@@ -142,7 +145,8 @@ class CorunSchedule:
                 raise ScheduleError(f"co-run schedule JSON: assignment #{i} misses {missing}")
             items.append(Assignment(stage=a["stage"], group=a["group"], features=tuple(a["features"]),
                                     predicted_ms=float(a["predicted_ms"])))
-        return cls(stages=tuple(data["stages"]), assignments=items, plan_name=data["plan_name"], meta=data.get("meta", {}))
+        return cls(stages=tuple(data["stages"]), assignments=items, plan_name=data["plan_name"],
+                   meta=data.get("meta", {}))
 
     # ----------------------------------------------------------------- checks
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from recforge.preprocess.planning.compiler import CompiledPlan, FusedGroup, compile_plan
+from recforge.preprocess.planning.compiler import CompiledPlan, CompileMethod, FusedGroup, compile_plan
 from recforge.preprocess.planning.graph import Node
 from recforge.preprocess.planning.plan import Plan
 from recforge.rap.mapping.milp import Placement, node_rows, rank_plan, split_rank_plan
@@ -54,7 +54,8 @@ def rank_stages(duration_ms: Mapping[str, float], capacity_ms: Mapping[str, floa
 def select_stages(duration_ms: Mapping[str, float], capacity_ms: Mapping[str, float], total_ms: float
                   ) -> tuple[list[str], bool]:
     """(taken stages in execution order, overflow: all capacity is less than total_ms)."""
-    taken, cap = [], 0.0
+    taken: list[str] = []
+    cap = 0.0
     for s in rank_stages(duration_ms, capacity_ms):
         if cap >= total_ms and taken:
             break
@@ -140,7 +141,7 @@ def schedule(compiled: CompiledPlan, duration_ms: Mapping[str, float], capacity_
 
 def rank_schedule(plan: Plan, placements: Mapping[str, Placement], rank: int, world_size: int, batch_size: int,
                   duration_ms: Mapping[str, float], capacity_ms: Mapping[str, float], model: CostModel,
-                  source_width: Mapping[str, float] | None = None, method: str = "greedy",
+                  source_width: Mapping[str, float] | None = None, method: CompileMethod = "greedy",
                   ) -> tuple[CompiledPlan, CorunSchedule]:
     """One worker's compiled plan (recforge.rap.mapping.milp.rank_plan: dense + data-parallel features over the local
     batch, its tables over the global batch) and its co-run schedule. Build the worker's FusedExecutor from this
@@ -157,7 +158,8 @@ CostOf = Callable[[CompiledPlan, int], Callable[[FusedGroup], float]]  # (compil
 
 def mapped_rank_schedules(plan: Plan, placements: Mapping[str, Placement], rank: int, world_size: int,
                           batch_size: int, duration_ms: Mapping[str, float], capacity_ms: Mapping[str, float],
-                          cost_of: CostOf, method: str = "greedy") -> list[tuple[CompiledPlan, CorunSchedule]]:
+                          cost_of: CostOf, method: CompileMethod = "greedy",
+                          ) -> list[tuple[CompiledPlan, CorunSchedule]]:
     """RAP's mapping as co-run jobs of `rank`: [(compiled, schedule)] of its global job (the tables it holds
     table_wise / column_wise, over the global batch: world_size * batch_size rows) and then its local job
     (dense features and data_parallel tables, over its batch_size rows), each present only when it has a feature

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from recforge.preprocess.planning.compiler import CompiledPlan, FusedGroup, compile_plan
+from recforge.preprocess.planning.compiler import CompiledPlan, CompileMethod, FusedGroup, compile_plan
 from recforge.preprocess.planning.graph import Node
 from recforge.preprocess.planning.plan import Plan
 from recforge.rap.mapping.milp import Placement, node_rows, rank_plan
@@ -55,7 +55,7 @@ class SimSetup:
     ranks: Sequence[RankStages]  # one per rank: world_size = len(ranks)
     kernel_cost: KernelCost
     input_comm_ms: float = 0.0  # the ids' input all-to-all that RAP's mapping removes
-    compile_method: str = "greedy"
+    compile_method: CompileMethod = "greedy"
 
     @property
     def world_size(self) -> int:
@@ -83,6 +83,12 @@ class SimResult:
 
 def _stage_time(rank: RankStages, load: Mapping[str, float]) -> float:
     return sum(rank.duration_ms[s] + max(0.0, load.get(s, 0.0) - rank.capacity_ms[s]) for s in STAGES)
+
+
+def _group_cost(cost: KernelCost, compiled: CompiledPlan, rows: Callable[[Node], float]
+                ) -> Callable[[FusedGroup], float]:
+    """`cost` of a group of `compiled` with the rows bound: what the scheduler asks for."""
+    return lambda group: cost(compiled, group, rows)
 
 
 def _kernels(compiled: CompiledPlan, cost: KernelCost, rows: Callable[[Node], float], fused: bool
@@ -159,7 +165,7 @@ def simulate(setup: SimSetup) -> SimResult:
         t, load, total = _scheduled(rank, *_kernels(mine, setup.kernel_cost, rows, fused=True))
         add("rap", t, total, load)
         schedules.append(schedule(mine, rank.duration_ms, rank.capacity_ms,
-                                  lambda g, mine=mine, rows=rows: setup.kernel_cost(mine, g, rows),
+                                  _group_cost(setup.kernel_cost, mine, rows),
                                   meta={"rank": r, "world_size": w, "batch_size": b}))
     methods = {m: MethodResult(max(v["rank"]), v["rank"], v["prep"], v["load"]) for m, v in res.items()}
     return SimResult(methods, schedules)

@@ -6,10 +6,11 @@ RAP fits XGBoost per op family at one batch size and scales linearly in rows; he
 
 n = fused features (nodes of the group), width = the op's average row width (its input width; bucketize: the
 number of borders; onehot: C, as RAP's featurization). Ops over list (jagged) columns run other kernels than
-over fixed-width columns (the fused executor splits a group by form), so they are fitted apart: key "op[list]". c0 is the launch, c1 the per-feature setup, c2 the
-per-row, c3 the per-value cost; c4 the extra per-value cost once the values no longer fit in cache (on CPU
-fresh multi-MB outputs also page-fault: measured 3-10x per value past ~1M values). Fitted by non-negative least squares on relative error (rows scaled by 1/y),
-so small kernels count as much as large ones. Accuracy = share of held-out predictions within 10% (RAP's).
+over fixed-width columns (the fused executor splits a group by form), so they are fitted apart: key "op[list]".
+c0 is the launch, c1 the per-feature setup, c2 the per-row, c3 the per-value cost; c4 the extra per-value cost
+once the values no longer fit in cache (on CPU fresh multi-MB outputs also page-fault: measured 3-10x per value
+past ~1M values). Fitted by non-negative least squares on relative error (rows scaled by 1/y), so small kernels
+count as much as large ones. Accuracy = share of held-out predictions within 10% (RAP's).
 """
 from __future__ import annotations
 
@@ -71,14 +72,15 @@ class CostModel:
         """Share of measurements predicted within `tolerance` relative error."""
         if not measurements:
             return float("nan")
-        hits = [abs(self.predict(m.op, m.n, m.rows, m.width, m.jagged) - m.ms) <= tolerance * m.ms for m in measurements]
+        hits = [abs(self.predict(m.op, m.n, m.rows, m.width, m.jagged) - m.ms) <= tolerance * m.ms
+                for m in measurements]
         return float(np.mean(hits))
 
     def to_json(self) -> str:
         return json.dumps({"coef": self.coef, "meta": self.meta}, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "CostModel":
+    def from_json(cls, text: str) -> CostModel:
         data = json.loads(text)
         bad = [op for op, c in data["coef"].items() if len(c) != NUM_COEF]
         if bad:
@@ -104,7 +106,7 @@ def fit(measurements: Sequence[Measurement], holdout: float = 0.2, seed: int = 0
     for m in measurements:
         by_op.setdefault(m.key, []).append(m)
     rng = random.Random(seed)
-    held: list[Measurement] = []
+    held: list[tuple[Measurement, float]] = []  # (measurement, its held-out prediction)
     per_op: dict[str, float] = {}
     for op, ms in sorted(by_op.items()):
         if len(ms) < NUM_COEF + 2:
@@ -168,7 +170,7 @@ def predict_group(model: CostModel, compiled: CompiledPlan, group: FusedGroup, r
             if key not in model.coef:
                 raise KeyError(f"cost model has no fit for op {key!r}; fitted: {sorted(model.coef)}")
             r = [float(rows_of(n)) for n in part]
-            x = design(len(part), sum(r), sum(ri * widths[n.id] for ri, n in zip(r, part)))
+            x = design(len(part), sum(r), sum(ri * widths[n.id] for ri, n in zip(r, part, strict=True)))
             total += float(np.dot(model.coef[key], x))
     return total
 

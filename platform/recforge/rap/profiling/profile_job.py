@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recforge.data.manifest import shard_rows_from_manifest
 from recforge.data.shards import read_rows
-from recforge.elastic.master.service import shard_rows_from_manifest
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.executor import make_executor
 from recforge.preprocess.planning.plan import Plan
@@ -44,7 +44,7 @@ from recforge.rap.profiling.profiler import (
     log_profile,
 )
 from recforge.rap.profiling.stages import STAGES, StageTracker
-from recforge.train.batches import prepare
+from recforge.train.batches import Batch, prepare
 from recforge.train.loss import step_loss
 from recforge.train.model import build_dlrm
 from recforge.train.sharding import shard_model
@@ -77,9 +77,9 @@ def single_rank_group(backend: str = "gloo"):
             dist.destroy_process_group()
 
 
-def first_batches(manifest_dir: str | Path, dataset, executor, batch_size: int, count: int, device) -> list:
+def first_batches(manifest_dir: str | Path, dataset, executor, batch_size: int, count: int, device) -> list[Batch]:
     """Up to `count` padded, preprocessed batches from the first rows of the manifest's shards."""
-    out = []
+    out: list[Batch] = []
     for shard, rows in enumerate(shard_rows_from_manifest(manifest_dir)):
         for start in range(0, rows, batch_size):
             if len(out) == count:

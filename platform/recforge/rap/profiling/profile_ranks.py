@@ -1,9 +1,10 @@
-"""A job's stage profile measured on as many processes as it has workers (recforge.rap.profiling.profile_job for world > 1).
+"""A job's stage profile measured on as many processes as it has workers (recforge.rap.profiling.profile_job for
+world > 1).
 
     profile = profile_in_processes(cfg, plan, dataset, world_size, manifest_dir, threads, device)
 
-Starts `world_size` processes (`python -m recforge.rap.profiling.profile_ranks JOB.json`, a gloo / nccl group over a free
-local port, each with the trainer's thread budget), like the training job's workers: every rank trains the job's
+Starts `world_size` processes (`python -m recforge.rap.profiling.profile_ranks JOB.json`, a gloo / nccl group over a
+free local port, each with the trainer's thread budget), like the training job's workers: every rank trains the job's
 model on the manifest's first batches, rank 0 leads the StageProfiler and tells the others when to step and where
 the proxy runs (recforge.rap.profiling.profile_job.lead_profile / follow_profile), and writes the profile. So the stages
 include the collectives (input / pooled-embedding all-to-all, the dense all-reduce) and the workers' contention
@@ -23,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from recforge.config import DatasetConfig, PipelineConfig
-from recforge.elastic.backends.local import free_port
 from recforge.preprocess.planning.plan import Plan
 from recforge.rap.profiling.profile_job import describe, follow_profile, job_step, lead_profile
 from recforge.rap.profiling.profiler import ProfileKey, StageProfile
+from recforge.train.distributed import free_port
 
 TIMEOUT_S = 900
 
@@ -47,8 +48,8 @@ def profile_in_processes(cfg, plan: Plan, dataset, world_size: int, manifest_dir
         try:
             for rank in range(world_size):
                 with open(Path(tmp) / f"rank{rank}.log", "w") as log:
-                    procs.append(subprocess.Popen([sys.executable, "-m", "recforge.rap.profiling.profile_ranks", str(job)],
-                                                  env=env | {"RANK": str(rank)}, stdout=log,
+                    cmd = [sys.executable, "-m", "recforge.rap.profiling.profile_ranks", str(job)]
+                    procs.append(subprocess.Popen(cmd, env=env | {"RANK": str(rank)}, stdout=log,
                                                   stderr=subprocess.STDOUT))
             failed = _wait_all(procs, time.monotonic() + timeout_s)
         finally:

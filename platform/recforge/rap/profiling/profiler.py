@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from recforge.config import ModelConfig
 from recforge.rap.profiling.stages import STAGES, StageTracker
 from recforge_kernels import fused
 
@@ -49,9 +50,9 @@ class ProfileKey:
     device: str
 
     @classmethod
-    def of(cls, model_cfg: Any, tables: Sequence[tuple[str, int]], world_size: int, batch_size: int,
-           device: str | torch.device) -> "ProfileKey":
-        cfg = model_cfg.model_dump(mode="json") if hasattr(model_cfg, "model_dump") else dict(model_cfg)
+    def of(cls, model_cfg: ModelConfig, tables: Sequence[tuple[str, int]], world_size: int, batch_size: int,
+           device: str | torch.device) -> ProfileKey:
+        cfg = model_cfg.model_dump(mode="json")
         blob = json.dumps({"model": cfg, "tables": [list(t) for t in tables]}, sort_keys=True)
         return cls(hashlib.sha256(blob.encode()).hexdigest()[:16], int(world_size), int(batch_size),
                    torch.device(device).type)
@@ -83,7 +84,7 @@ class StageProfile:
         return json.dumps({**asdict(self), "key": asdict(self.key)}, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "StageProfile":
+    def from_json(cls, text: str) -> StageProfile:
         data = json.loads(text)
         missing = [s for s in STAGES if s not in data.get("stage_ms", {}) or s not in data.get("capacity_ms", {})]
         if missing:
@@ -99,7 +100,7 @@ class StageProfile:
         return path
 
     @classmethod
-    def load(cls, root: str | Path, key: ProfileKey) -> "StageProfile":
+    def load(cls, root: str | Path, key: ProfileKey) -> StageProfile:
         path = Path(root) / f"{key.slug()}.json"
         if not path.exists():
             have = sorted(p.stem for p in Path(root).glob("*.json")) if Path(root).exists() else []
@@ -248,7 +249,8 @@ class StageProfiler:
 
     def paired_slowdown(self, stage: str, units: int) -> float:
         """median stage time with the proxy / median without - 1, over alternating steps."""
-        with_proxy, without = [], []
+        with_proxy: list[float] = []
+        without: list[float] = []
         for i in range(2 * self.steps_per_point):
             self._target = (stage, units) if i % 2 else None
             self.step()
@@ -281,7 +283,8 @@ class StageProfiler:
         cap_ms = {s: self.proxy.standalone_ms(u) for s, u in units.items()}
         return StageProfile(key=key, stage_ms=base, capacity_units=units, capacity_ms=cap_ms, unit_ms=unit_ms,
                             threshold=threshold,
-                            meta={"slowdown_by_units": {s: {str(k): v for k, v in d.items()} for s, d in searched.items()},
+                            meta={"slowdown_by_units": {s: {str(k): v for k, v in d.items()}
+                                                        for s, d in searched.items()},
                                   "threads": self.runner.threads, "steps_per_point": self.steps_per_point,
                                   "paired": self.paired})
 

@@ -42,8 +42,8 @@ current stream, resolved at step_end (it synchronizes on the last event), and St
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -73,13 +73,13 @@ class StepTiming:
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The DLRM inside DMP (DMP.module strips DMP and DDP)."""
-    inner = model
+    inner: torch.nn.Module | None = model
     for _ in range(4):
+        if inner is None:
+            break
         if hasattr(inner, "sparse_arch"):
             return inner
         inner = getattr(inner, "module", None)
-        if inner is None:
-            break
     raise TypeError(f"StageTracker: {type(model).__name__} has no sparse_arch: expected a torchrec DLRM "
                     "(bare or in DistributedModelParallel)")
 
@@ -97,7 +97,8 @@ class StageTracker:
         self._handles = [
             self.model.register_forward_pre_hook(self._on_model_pre),
             self.model.register_forward_hook(self._on_model_out),
-            self.model.sparse_arch.register_forward_hook(self._on_sparse_out),
+            self.model.sparse_arch.register_forward_hook(  # type: ignore[union-attr]  # nn.Module.__getattr__: Tensor | Module
+                self._on_sparse_out),
         ]
 
     # ----------------------------------------------------------------- trainer calls
@@ -139,7 +140,7 @@ class StageTracker:
             self._events.append(ev)
 
     def _exit_current(self) -> None:
-        if self.on_exit is not None:
+        if self.on_exit is not None and self.stage is not None:  # a stage is open whenever one is exited
             self.on_exit(self.stage)
 
     def _enter(self, index: int) -> None:

@@ -16,9 +16,10 @@ once it is reported done, so a checkpoint's data state never counts rows the mod
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -30,11 +31,25 @@ from recforge.train.batches import Batch, TaskBatches, TaskClient
 
 @dataclass
 class CorunBatch(Batch):
+    """A batch whose preprocessing runs on the co-run thread: dense / sparse are filled when it is handed out."""
+
     pending: Pending | None = None
     progress_after: dict[str, int] | None = None  # the source's progress right after this batch was read
 
+    def launched(self) -> Pending:
+        """The preprocessing launched for this batch (until the batch is handed out)."""
+        if self.pending is None:
+            raise RuntimeError("CorunBatch: no preprocessing pending (the batch was already handed out)")
+        return self.pending
 
-class CorunReadAhead:
+
+if TYPE_CHECKING:
+    _Source = TaskBatches  # what CorunReadAhead is mixed into: TaskBatches or a subclass of it
+else:
+    _Source = object
+
+
+class CorunReadAhead(_Source):
     """The co-run behaviour over a batch source (mixed in before it): reads one batch ahead, completes its
     preprocessing when handing it out, closes the step's stages. The source's `next()` returns CorunBatch with
     `pending` set (its prepare step launches the kernels); `complete(batch)` fills dense / sparse."""
@@ -49,7 +64,7 @@ class CorunReadAhead:
         self._handed: dict[str, int] = {}
 
     def complete(self, batch: CorunBatch) -> None:
-        batch.dense, batch.sparse = batch.pending.result()
+        batch.dense, batch.sparse = batch.launched().result()
 
     def next(self) -> Batch | None:
         if self.step_boundary is not None:
@@ -61,7 +76,7 @@ class CorunReadAhead:
             return None
         self.complete(batch)
         batch.pending = None
-        self._handed = {t: r for t, r in batch.progress_after.items()}
+        self._handed = dict(batch.progress_after or {})  # set by _read
         self._ahead = self._read()  # its kernels wait for the stage boundaries of the step that trains `batch`
         return batch
 
@@ -82,7 +97,7 @@ class CorunReadAhead:
         self._ahead = None
 
     def _read(self) -> CorunBatch | None:
-        batch = super().next()
+        batch = cast("CorunBatch | None", super().next())  # the source's prepare() gives CorunBatch
         if batch is not None:
             batch.progress_after = super().progress()
         return batch
@@ -99,7 +114,7 @@ class CorunTaskBatches(CorunReadAhead, TaskBatches):
 
     def prepare(self, raw: RawBatch) -> CorunBatch:
         padded, weights = raw.pad_to(self.batch_size)
-        return CorunBatch(dense=None, sparse=None, labels=padded.label.to(self.device),
+        return CorunBatch(dense=None, sparse=None, labels=padded.label.to(self.device),  # type: ignore[arg-type]  # filled by complete()
                           weights=weights.to(self.device), real=raw.rows,
                           pending=self.runtime.launch(padded))  # the runtime copies it to the device
 

@@ -22,11 +22,12 @@ plans, each a job = (its own FusedExecutor, its schedule) over its own raw batch
 All jobs share the one co-run thread and the gates: at each stage gate it runs job 0's parts of that stage, then
 job 1's, and so on. Each job's output equals `job.executor(its raw)` bit for bit. Each schedule is validated
 against its own executor's compiled plan (ScheduleError naming the job and what is wrong); an executor may serve
-one job only, since its kernel caches are keyed by the part keys of its job (recforge.rap.planning.schedule). When a job's
-schedule meta gives `rows` (recforge.rap.planning.scheduler.mapped_rank_schedules does), its raw batch must have that many
-rows, which catches raw batches passed in the wrong order. A single-job runtime is `jobs=[(executor, schedule)]`;
-`runtime.executor` / `.schedule` / `.compiled` / `.parts`, `launch(raw)` and `Pending.result()` are for single-job
-runtimes only (they raise, naming `jobs` / `launch_many` / `results`, on a runtime with several jobs).
+one job only, since its kernel caches are keyed by the part keys of its job (recforge.rap.planning.schedule). When a
+job's schedule meta gives `rows` (recforge.rap.planning.scheduler.mapped_rank_schedules does), its raw batch must have
+that many rows, which catches raw batches passed in the wrong order. A single-job runtime is
+`jobs=[(executor, schedule)]`; `runtime.executor` / `.schedule` / `.compiled` / `.parts`, `launch(raw)` and
+`Pending.result()` are for single-job runtimes only (they raise, naming `jobs` / `launch_many` / `results`, on a
+runtime with several jobs).
 `summary()` gives kernel time per stage summed over the jobs and the jobs' summed predicted kernel time.
 
 CPU (what CI runs): one background thread with its own intra-op thread budget (OpenMP's thread count is a
@@ -123,7 +124,7 @@ class _Cycle:
 class Pending:
     """Batch i+1's preprocessing in flight; `results()` (or `result()` for one job) completes it, leftovers first."""
 
-    def __init__(self, runtime: "CorunRuntime", cycle: _Cycle, future: Future) -> None:
+    def __init__(self, runtime: CorunRuntime, cycle: _Cycle, future: Future) -> None:
         self._runtime, self._cycle, self._future = runtime, cycle, future
         self._recorded = False
 
@@ -180,14 +181,16 @@ class CorunRuntime:
         self.stages = tuple(s for s in STAGES if any(s in j.schedule.stages for j in self.jobs))
         self.device = torch.device(device)
         self.threads = threads
-        self.stream = None
+        self.stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
-            least, _greatest = torch.cuda.Stream.priority_range()  # a larger number is a lower priority
+            # a larger number is a lower priority; a static method, stubbed as an instance one
+            least, _greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
             self.stream = torch.cuda.Stream(self.device, priority=least)
         elif threads > torch.get_num_threads():
             raise CorunConfigError(
                 f"co-run threads={threads} exceeds the trainer's {torch.get_num_threads()} intra-op threads: "
-                "torch sizes per-thread buffers by the process-wide count, so the co-run thread may use at most as many")
+                "torch sizes per-thread buffers by the process-wide count, so the co-run thread may use at most "
+                "as many")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rap-corun")
         if self.device.type == "cpu":
             trainer_threads = torch.get_num_threads()
@@ -261,7 +264,7 @@ class CorunRuntime:
             have = "a single RawBatch" if isinstance(raws, RawBatch) else f"{len(raws)} raw batches"
             raise ValueError(f"launch_many: {have} for {len(self.jobs)} jobs {self.job_names()}; give one raw "
                              "batch per job, in job order")
-        for i, (job, raw) in enumerate(zip(self.jobs, raws)):
+        for i, (job, raw) in enumerate(zip(self.jobs, raws, strict=True)):
             try:
                 check_batch(raw, job.executor.dataset, job.executor.plan)
             except BatchError as e:
@@ -324,7 +327,7 @@ class CorunRuntime:
                 if not any(by_job):
                     continue
                 cycle.gates[stage].wait()
-                if stage in cycle.cuda_events:
+                if stage in cycle.cuda_events and self.stream is not None:  # events only with a stream
                     self.stream.wait_event(cycle.cuda_events[stage])
                 t0 = time.perf_counter()
                 for ji, parts in enumerate(by_job):
@@ -336,7 +339,7 @@ class CorunRuntime:
                     job_ms[ji] += (time.perf_counter() - tj) * 1e3
                 cycle.timing.run_ms[stage] = (time.perf_counter() - t0) * 1e3
             results = []
-            for job, raw, v in zip(self.jobs, raws, vals):
+            for job, raw, v in zip(self.jobs, raws, vals, strict=True):
                 compiled = job.executor.compiled
                 outputs = {f: v[n] for f, n in compiled.graph.outputs.items()}
                 results.append(finish(job.executor.plan, outputs, raw.rows, raw.dense.device))

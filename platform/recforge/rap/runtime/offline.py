@@ -62,8 +62,9 @@ def _as_matrix(kjt: KeyedJaggedTensor, rows: int) -> tuple[Tensor, list[int]]:
         row_len = lengths[k]
         w = int(row_len[0]) if rows else 0
         if rows and bool((row_len != w).any()):
-            raise OfflineError(f"offline preprocessing: feature {key!r} gives {int(row_len.min())}..{int(row_len.max())} "
-                               "ids per row; offline training needs a fixed number (end its chain with firstx)")
+            raise OfflineError(f"offline preprocessing: feature {key!r} gives "
+                               f"{int(row_len.min())}..{int(row_len.max())} ids per row; "
+                               "offline training needs a fixed number (end its chain with firstx)")
         blocks.append(kjt.values()[offset:offset + rows * w].view(rows, w))
         offset += rows * w
         widths.append(w)
@@ -97,7 +98,9 @@ def preprocess_manifest(manifest_dir: str | Path, plan: Plan, dataset: DatasetCo
 class OfflineTaskBatches(TaskBatches):
     def __init__(self, client: TaskClient, preprocessed_dir: str | Path, dataset: DatasetConfig, batch_size: int,
                  device: torch.device, ledger=None) -> None:
-        super().__init__(client, preprocessed_dir, dataset, None, batch_size, device, ledger=ledger)
+        # no executor: the rows are preprocessed already (TaskBatches is typed for raw rows, see read_task)
+        super().__init__(client, preprocessed_dir, dataset, None, batch_size, device,  # type: ignore[arg-type]
+                         ledger=ledger)
         root = Path(preprocessed_dir)
         if not (root / INDEX_FILE).exists():
             raise OfflineError(f"offline training: no preprocessed data at {root} ({INDEX_FILE} missing)")
@@ -106,7 +109,9 @@ class OfflineTaskBatches(TaskBatches):
         self.pad = torch.load(root / PAD_FILE, weights_only=True)
         self._shard: tuple[int, dict] | None = None
 
-    def read_task(self, task) -> PreprocessedRows:
+    # TaskBatches only slices a task's rows and counts them (rows, dataclass fields): PreprocessedRows has both,
+    # but its methods are typed for RawBatch
+    def read_task(self, task) -> PreprocessedRows:  # type: ignore[override]
         if self._shard is None or self._shard[0] != task.shard:
             path = Path(self.manifest_dir) / f"shard-{task.shard:05d}.pt"
             self._shard = (task.shard, torch.load(path, weights_only=True))
@@ -117,7 +122,7 @@ class OfflineTaskBatches(TaskBatches):
                                f"rows of shard {task.shard}")
         return PreprocessedRows(d["labels"][a:b], d["dense"][a:b], d["ids"][a:b])
 
-    def prepare(self, rows: PreprocessedRows) -> Batch:
+    def prepare(self, rows: PreprocessedRows) -> Batch:  # type: ignore[override]  # see read_task
         n, pad = rows.rows, self.batch_size - rows.rows
         dense = torch.cat([rows.dense, self.pad["dense"].expand(pad, -1)]) if pad else rows.dense
         ids = torch.cat([rows.ids, self.pad["ids"].expand(pad, -1)]) if pad else rows.ids

@@ -43,7 +43,8 @@ def check_jobs_match_sharding(runtime: CorunRuntime, mapped: MappedInput) -> Non
         if have.get(job, set()) != want[job]:
             raise CorunConfigError(
                 f"mapped co-run on rank {mapped.rank}: the {job} job preprocesses {sorted(have.get(job, set()))}, "
-                f"the sharded model's lookups take {sorted(want[job])} (placements and schedules from different plans?)")
+                f"the sharded model's lookups take {sorted(want[job])} "
+                "(placements and schedules from different plans?)")
 
 
 class CorunSession:
@@ -69,11 +70,12 @@ class CorunSession:
         self._last_boundary: float | None = None
         self._stepped = False
         self.iteration_ms: list[float] = []  # wall time between successive batch requests with a step between
-        self._sources: list[CorunTaskBatches] = []
+        self._sources: list[CorunTaskBatches | MappedCorunBatches] = []
 
     def batches(self, client, manifest_dir: str | Path, dataset: DatasetConfig, batch_size: int,
                 device: torch.device, ledger=None, source_cls: type[CorunTaskBatches] = CorunTaskBatches,
-                ) -> CorunTaskBatches:
+                ) -> CorunTaskBatches | MappedCorunBatches:
+        source: CorunTaskBatches | MappedCorunBatches
         if self.mapped is not None:
             source = MappedCorunBatches(client, manifest_dir, dataset, self.runtime, batch_size, device,
                                         self.mapped.rank, self.mapped.world_size, ledger=ledger,

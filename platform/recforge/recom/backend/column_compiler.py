@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from recforge.recom.backend.dense import convergence_ok
+from recforge.recom.backend.dense import convergence_ok, convergence_parts
 from recforge.recom.backend.embedding_plan import EmbeddingPlan, build_plan, check_lowerable
 from recforge.recom.columns.analyze import analyze_columns
 from recforge.recom.columns.passes import PassLog, optimize
@@ -58,22 +58,25 @@ def compile_columns(cap: Capture) -> ColumnCompilation:
     fused: list[tuple[Node, int, ColumnProgram]] = []  # (convergence, position, program)
     for col in cs.columns:
         entry: dict[str, Any] = {"table": col.target, "nodes": len(col.nodes)}
-        raw = analyzed.get(col.table)
+        raw = analyzed[col.table]
+        out = col.output
         reason = None
         if isinstance(raw, str):
             reason = raw
         elif len(col.convergence) != 1 or not convergence_ok(col.convergence[0]):
             reason = f"converges into {[str(c.target) for c in col.convergence]}, not one concat / stack over dim 1"
-        elif list(col.convergence[0].args[0]).count(col.output) != 1:
-            reason = "its output appears more than once in the concat"
-        if reason is None:
+        else:
+            assert out is not None  # the analysis gives a program only for a column with one output node
+            if convergence_parts(col.convergence[0]).count(out) != 1:
+                reason = "its output appears more than once in the concat"
+        if reason is None and not isinstance(raw, str) and out is not None:
             entry["graph"] = raw.describe()
             opt = optimize(raw, log)
             entry["fused"] = opt.describe()
             reason = check_lowerable(opt, ss, placeholders)
             if reason is None:
                 conv = col.convergence[0]
-                fused.append((conv, list(conv.args[0]).index(col.output), opt))
+                fused.append((conv, convergence_parts(conv).index(out), opt))
         entry["status"] = "residual" if reason else "fused"
         if reason:
             entry["reason"] = reason
@@ -92,7 +95,9 @@ def compile_columns(cap: Capture) -> ColumnCompilation:
         by_table = {c.table: c for c in cs.columns}
         off = 0
         for p in programs:
-            fused_out[by_table[p.table].output] = (off, p.dim)
+            out = by_table[p.table].output
+            assert out is not None  # the analysis fuses only a column with one output node
+            fused_out[out] = (off, p.dim)
             off += p.dim
     report = _report(cs, ss, status, log, plan, fused_out, order)
     return ColumnCompilation(cap, cs, ss, {p.table: p for p in programs}, plan, fused_out, report)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -22,15 +22,21 @@ aten = torch.ops.aten
 EMB_INPUT = "recom_embedding"
 
 
+def convergence_parts(node: Node) -> list[Node]:
+    """The inputs of a cat / stack node: its first argument, a Tensor[] (fx types it as any Argument)."""
+    return list(cast("list[Node]", node.args[0]))
+
+
 def convergence_ok(node: Node) -> bool:
     """A cat over dim 1 of [B, D] parts, or a stack over dim 1: the fused output can stand in."""
     if node.target is aten.cat.default:
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        rank = node.args[0][0].meta["val"].dim() if node.args[0] else 0
-        return rank == 2 and dim in (1, -1)
+        parts = convergence_parts(node)
+        rank = parts[0].meta["val"].dim() if parts else 0
+        return bool(rank == 2 and dim in (1, -1))
     if node.target is aten.stack.default:
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        return dim == 1
+        return bool(dim == 1)
     return False
 
 
@@ -96,7 +102,7 @@ def build_residual(ep: torch.export.ExportedProgram, fused_out: dict[Node, tuple
 
 
 def _rewrite_convergence(g: Graph, n: Node, env, emb: Node, batch: Node, fused_out, total_dim: int) -> Node:
-    parts = list(n.args[0])
+    parts = convergence_parts(n)
     pieces: list[Any] = []  # (off, dim) runs of the fused output, or copied nodes
     for p in parts:
         if p in fused_out:

@@ -81,9 +81,11 @@ def _steps_row(p: ColumnProgram, index_of: dict[str, int], fb: list[float], ib: 
     for i, s in enumerate(p.steps):
         if isinstance(s, prog.Bucketize):
             is_float = any(isinstance(b, float) for b in s.boundaries) or p.value.dtype.startswith("float")
-            buf = fb if is_float else ib
-            off = len(buf)
-            buf.extend(float(b) for b in s.boundaries) if is_float else buf.extend(int(b) for b in s.boundaries)
+            off = len(fb) if is_float else len(ib)
+            if is_float:
+                fb.extend(float(b) for b in s.boundaries)
+            else:
+                ib.extend(int(b) for b in s.boundaries)
             if is_float and i != 0 and not p.value.dtype.startswith("float"):
                 raise NotLowerable("float boundaries after an integer step")
             row = [L.OP_BUCKETIZE, off, len(s.boundaries), int(s.right), int(is_float), 0]
@@ -124,7 +126,8 @@ def _workspace_bound(p: ColumnProgram, ss: SymbolicShapes, placeholders: dict) -
     b = int(coeffs.get(batch, 0))
     const = int(coeffs.get(se.Integer(1), 0))
     others = {s for s in expr.free_symbols if s != batch}
-    if len(others) > 1 or (others and se.expand(expr - b * batch - const).free_symbols != others):
+    batch_term = b * batch if batch is not None else 0  # b is 0 without a batch
+    if len(others) > 1 or (others and se.expand(expr - batch_term - const).free_symbols != others):
         raise NotLowerable(f"workspace bound {expr} is not linear in B and the values length")
     n = int(coeffs.get(next(iter(others)), 0)) if others else 0
     if others and next(iter(others)) != se.expand(ss.canon(n_vals)):

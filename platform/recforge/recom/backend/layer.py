@@ -23,6 +23,12 @@ from recforge.recom.errors import LookupIndexError
 class FusedEmbeddingLayer(nn.Module):
     """forward(flat_inputs) -> float32[B, total_dim]; ``input_index[k]`` is the flat position of op input k."""
 
+    # buffers, registered in __init__
+    weights: Tensor
+    fbuf: Tensor
+    ibuf: Tensor
+    meta: Tensor
+
     def __init__(self, weights: Tensor, fbuf: Tensor, ibuf: Tensor, meta: Tensor, total_dim: int,
                  input_index: list[int], batch_index: int, column_names: list[str]):
         super().__init__()

@@ -72,7 +72,7 @@ class ColumnAnalyzer:
         self.placeholder = nodes
         self.batch_major = {n for n in self.user_inputs if self._dim0(nodes[n]) is not None
                             and shapes.prove_equal(self._dim0(nodes[n]), self.batch)}
-        self._by_symbol = {}
+        self._by_symbol: dict[se.Symbol, str] = {}  # dim-0 symbol -> first user input with it
         for n in self.user_inputs:
             d = self._dim0(nodes[n])
             if d is not None and isinstance(d, se.Symbol):
@@ -87,7 +87,7 @@ class ColumnAnalyzer:
         """{table placeholder: ColumnProgram, or the reason the column is not supported}."""
         order = {n: i for i, n in enumerate(self.ep.graph.nodes)}
         needed = set().union(*(c.nodes for c in self.columns.columns)) if self.columns.columns else set()
-        for node in sorted(needed, key=order.get):
+        for node in sorted(needed, key=order.__getitem__):
             self._eval(node)
         return {c.table: self._program(c) for c in self.columns.columns}
 

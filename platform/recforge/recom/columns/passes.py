@@ -15,6 +15,7 @@ Each pass returns the new program and what it did; ``optimize`` runs them to a f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from recforge.recom.columns.intervals import INT64_MAX, INT64_MIN, IntervalSet
 from recforge.recom.columns.program import (
@@ -137,7 +138,7 @@ def merge_filters(p: ColumnProgram, log: PassLog) -> ColumnProgram:
 
 
 def fill_empty_rows(p: ColumnProgram, log: PassLog) -> ColumnProgram:
-    changes = {}
+    changes: dict[str, Any] = {}
     if p.fill_empty is not None and p.zero_empty:
         changes.update(fill_empty=None, zero_empty=False)
         log.empty_rows.append(f"{p.name}: fill_empty({p.fill_empty}) + zero empty rows -> pooled lookup, "

@@ -26,6 +26,7 @@ class BucketizedColumn(nn.Module):
     """float[B] -> bucketize into [0, K] -> (redundant) clamp -> EmbeddingBag over a [B, 1] input."""
 
     kind = "bucketized"
+    boundaries: Tensor  # buffer
 
     def __init__(self, boundaries: Tensor, dim: int, combiner: str = "mean"):
         super().__init__()

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from recforge.recom.family.columns import JAGGED_KINDS
+from recforge.recom.family.columns import JAGGED_KINDS, BucketizedColumn, RawIdColumn
 
 LENGTHS_SUFFIX = "_lengths"
 
@@ -33,9 +33,10 @@ def random_strings(n: int, gen: torch.Generator, length: int = 8) -> list[str]:
 
 def _columns(model: nn.Module) -> dict[str, nn.Module]:
     layer = getattr(model, "embedding", model)
-    if not hasattr(layer, "columns"):
+    columns = getattr(layer, "columns", None)  # an nn.ModuleDict
+    if columns is None:
         raise TypeError(f"{type(model).__name__} is neither a ColumnModel nor an EmbeddingLayer")
-    return dict(layer.columns.items())
+    return dict(columns.items())
 
 
 def make_features(model: nn.Module, batch: int, seed: int = 0, *, max_bag: int = 10, empty_rate: float = 0.1,
@@ -60,6 +61,7 @@ def make_features(model: nn.Module, batch: int, seed: int = 0, *, max_bag: int =
     for name, col in _columns(model).items():
         kind = getattr(col, "kind", None)
         if kind == "bucketized":
+            assert isinstance(col, BucketizedColumn)  # the one column of that kind
             b = col.boundaries
             span = float(b[-1] - b[0]) if b.numel() > 1 else 1.0
             lo, hi = float(b[0]) - 0.1 * span - 1.0, float(b[-1]) + 0.1 * span + 1.0
@@ -71,6 +73,7 @@ def make_features(model: nn.Module, batch: int, seed: int = 0, *, max_bag: int =
         elif kind == "string_hash":
             feats[name] = fingerprints(batch)
         elif kind == "raw_id":
+            assert isinstance(col, RawIdColumn)  # the one column of that kind
             n = col.num_rows
             feats[name] = torch.randint(-2, n + 3, (batch,), generator=gen) if col.oov == "zero" else \
                 torch.randint(0, n, (batch,), generator=gen)

@@ -121,7 +121,7 @@ def _column_dim(column: nn.Module) -> int:
     for attr in ("bag", "embedding"):
         if hasattr(column, attr):
             return getattr(column, attr).embedding_dim
-    return column.weight.shape[1]
+    return column.get_parameter("weight").shape[1]
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:

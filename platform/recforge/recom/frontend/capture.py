@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch._dynamo.config as dynamo_config
 import torch.fx.config as fx_plain_config  # a plain module: no patch()
-import torch.fx.experimental._config as fx_config
+import torch.fx.experimental._config as fx_config  # patch() comes from install_config_module: untyped
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -92,7 +92,7 @@ def auto_dynamic_shapes(args: tuple, batch: int) -> Any:
     batch_dim = torch.export.Dim("batch", min=1)
     used: set[str] = {"batch"}
     paths, spec = pytree.tree_flatten_with_path(args)
-    out = []
+    out: list[dict[int, Any] | None] = []
     for path, leaf in paths:
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
             out.append(None)
@@ -136,9 +136,10 @@ def capture(module: nn.Module, example_inputs: Sequence[Any], dynamic_batch: boo
     module.eval()
     t0 = time.perf_counter()
     try:
-        with torch.no_grad(), fx_config.patch(backed_size_oblivious=size_oblivious), \
-                dynamo_config.patch(fake_tensor_cache_enabled=False), \
-                _without_stack_traces():
+        with (torch.no_grad(),
+              fx_config.patch(backed_size_oblivious=size_oblivious),  # type: ignore[attr-defined]  # set up at import
+              dynamo_config.patch(fake_tensor_cache_enabled=False),
+              _without_stack_traces()):
             ep = torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
     finally:
         module.train(was_training)

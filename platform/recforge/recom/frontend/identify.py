@@ -139,8 +139,9 @@ def identify_columns(ep: torch.export.ExportedProgram) -> ColumnSet:
                 continue
             walk.add(n)
             queue.extend(n.users)
-        boundary, convergence = [], []
-        for n in sorted(walk, key=order.get):
+        boundary: list[Node] = []
+        convergence: list[Node] = []
+        for n in sorted(walk, key=order.__getitem__):
             outside = [u for u in n.users if u not in walk]
             if outside:
                 boundary.append(n)
@@ -149,7 +150,7 @@ def identify_columns(ep: torch.export.ExportedProgram) -> ColumnSet:
         columns.append(Column(
             table=name, target=target,
             lookups=[u for u in table.users],
-            forward=sorted(walk, key=order.get),
+            forward=sorted(walk, key=order.__getitem__),
             nodes=nodes, boundary=boundary, convergence=convergence,
         ))
     columns.sort(key=lambda c: order[c.output] if c.output is not None else order[c.lookups[0]])

@@ -41,6 +41,8 @@ class Arange:
 
 
 class SymbolicShapes:
+    batch: se.Expr | None  # the batch size: its symbol, a number for a static capture, or None
+
     def __init__(self, ep: torch.export.ExportedProgram, batch_symbol: str | None = None,
                  batch_size: int | None = None):
         self.ep = ep
@@ -133,7 +135,7 @@ class SymbolicShapes:
             return s[0 if index is None else index]
         return tuple(self.canon(d) for d in s)
 
-    def numel(self, arg: Node) -> se.Expr:
+    def numel(self, arg: Any) -> se.Expr:
         out = se.Integer(1)
         for d in self.shape_of(arg):
             out = out * d

@@ -57,7 +57,7 @@ def load_unsharded(
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / ".metadata").exists():
         raise FileNotFoundError(f"no DCP checkpoint in {ckpt_dir} (missing .metadata)")
-    model = build_dlrm(model_cfg, [tuple(t) for t in tables], num_dense, "cpu")
+    model = build_dlrm(model_cfg, [(name, rows) for name, rows in tables], num_dense, "cpu")
     state = {"model": model.state_dict()}
     saved = _saved_shapes(ckpt_dir)
     problems = []

@@ -55,16 +55,18 @@ class FlashSnapshotter:
         """Collective: snapshot into `root/step-N`; returns its path."""
         path = self.root / step_name(step)
         state = training_state(model, optimizer)
-        fast = self._agree(self.layout is not None and self.fast_ok)
+        layout = self.layout
+        # every rank agreed (MIN), so when `fast` holds this rank's layout and sources are not None
+        fast = self._agree(layout is not None and self.fast_ok)
         sources = None
-        if fast:
-            sources = self.layout.sources(state)
+        if fast and layout is not None:
+            sources = layout.sources(state)
             fast = self._agree(sources is not None)
             if not fast and self.rank == 0:
                 log.info("flash checkpoint layout changed at step %d: full DCP save", step)
-        if fast:
+        if fast and layout is not None and sources is not None:
             path.mkdir(parents=True, exist_ok=True)
-            self.layout.write(path, sources, with_metadata=self.rank == 0)
+            layout.write(path, sources, with_metadata=self.rank == 0)
             self.fast_saves += 1
         else:
             self._full_save(state, path)

@@ -77,8 +77,9 @@ class Layout:
         if len(files) > 1:
             raise ValueError(f"expected one data file per rank, got {sorted(files)}")
         self.relative_path = files.pop() if files else None
-        self.buffer = bytearray((Path(directory) / self.relative_path).read_bytes()) if self.relative_path else bytearray()
-        self.metadata = (Path(directory) / ".metadata").read_bytes() if (Path(directory) / ".metadata").exists() else None
+        directory = Path(directory)
+        self.buffer = bytearray((directory / self.relative_path).read_bytes()) if self.relative_path else bytearray()
+        self.metadata = (directory / ".metadata").read_bytes() if (directory / ".metadata").exists() else None
         self.items: list[_Item] = []
         for item, res in recorded:
             info = res.storage_data
@@ -96,11 +97,17 @@ class Layout:
         planner.set_up_planner(state_dict, is_coordinator=False)
         out: list[Any] = []
         for it in self.items:
-            data = planner.resolve_data(it.write_item)
-            src = data.getbuffer() if it.is_bytes else _storage_bytes(data)
-            if (len(src) if it.is_bytes else src.numel()) != it.length:
-                return None
-            out.append(src)
+            data = planner.resolve_data(it.write_item)  # BYTE_IO items (is_bytes) resolve to a BytesIO
+            if isinstance(data, io.BytesIO):
+                buf = data.getbuffer()
+                if len(buf) != it.length:
+                    return None
+                out.append(buf)
+            else:
+                src = _storage_bytes(data)
+                if src.numel() != it.length:
+                    return None
+                out.append(src)
         return out
 
     def verify(self, state_dict: dict[str, Any]) -> bool:
@@ -108,7 +115,7 @@ class Layout:
         srcs = self.sources(state_dict)
         if srcs is None:
             return False
-        for it, src in zip(self.items, srcs):
+        for it, src in zip(self.items, srcs, strict=True):
             want = bytes(src) if it.is_bytes else src.cpu().numpy().tobytes()
             if bytes(self.buffer[it.start: it.start + it.length]) != want:
                 return False
@@ -125,7 +132,7 @@ class Layout:
                 if self.buffer:
                     with mmap.mmap(f.fileno(), len(self.buffer)) as mm:
                         pos = 0
-                        for it, src in sorted(zip(self.items, sources), key=lambda x: x[0].start):
+                        for it, src in sorted(zip(self.items, sources, strict=True), key=lambda x: x[0].start):
                             mm[pos: it.start] = self.buffer[pos: it.start]
                             if it.is_bytes:
                                 mm[it.start: it.start + it.length] = src

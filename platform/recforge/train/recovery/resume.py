@@ -166,9 +166,9 @@ def load_latest(model: Any, optimizer: Any, *, rank: int, disk_root: Path | None
                     _skip(skipped, c, why)
                     tried.add(str(c.path))
                     continue
-                why = disk_problem(c.path) if c.source == DISK else None
-                if why is not None:
-                    _skip(skipped, c, why)
+                problem = disk_problem(c.path) if c.source == DISK else None
+                if problem is not None:
+                    _skip(skipped, c, problem)
                     tried.add(str(c.path))
                     continue
                 choice = [c]

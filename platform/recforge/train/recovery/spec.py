@@ -35,7 +35,8 @@ class RecoverySpec(BaseModel):
     grad_accumulation: int = Field(1, ge=1, description="micro-batches per step: each rank trains its share of the "
                                    "global batch in k forward/backward passes, then steps once")
     ledger_dir: Path | None = Field(None, description="per-sample accounting: every rank appends the rows it trains")
-    failures_dir: Path | None = Field(None, description="a failing rank writes its exception here for the failover policy")
+    failures_dir: Path | None = Field(None, description="a failing rank writes its exception here for the failover "
+                                      "policy")
     master_retry_attempts: int = Field(10, ge=1, description="job master calls are retried this often (backoff up "
                                        "to 5 s) before a worker gives up: rides out a master restart")
 
@@ -43,7 +44,9 @@ class RecoverySpec(BaseModel):
         return Path(self.checkpoint_root) if self.checkpoint_root is not None else default_steps_root(checkpoint_dir)
 
     def shm_root(self, checkpoint_dir: Path) -> Path:
-        return Path(self.flash_root) if self.flash_root is not None else default_flash_root(self.steps_root(checkpoint_dir))
+        if self.flash_root is not None:
+            return Path(self.flash_root)
+        return default_flash_root(self.steps_root(checkpoint_dir))
 
 
 def default_steps_root(checkpoint_dir: str | Path) -> Path:

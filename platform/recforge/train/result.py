@@ -1,0 +1,101 @@
+"""What rank 0 of a training job writes to `<output_dir>/result.json` and the pipeline reads back: `WorkerResult`."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+RESULT_FILE = "result.json"
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
+
+
+class TableSharding(_Record):
+    """One embedding table as the planner sharded it (recforge.train.sharding.plan_summary)."""
+
+    sharding_type: str
+    compute_kernel: str
+    ranks: list[int]
+
+
+class ProbeRange(_Record):
+    """Rows whose logits rank 0 saved to probe.pt (recforge.train.probe.probe_logits, less the logits)."""
+
+    shard: int
+    row_start: int
+    row_end: int
+
+
+class ResumedFrom(_Record):
+    """The checkpoint this generation resumed from (recforge.train.recovery.resume.Restored)."""
+
+    path: str
+    step: int
+    source: str = Field(description="disk | memory")
+    saved_by_generation: int | None = None
+    saved_at_world_size: int | None = None
+    skipped: list[tuple[str, str]] = Field(default_factory=list, description="(path, why) of newer unusable ones")
+
+
+class CheckpointStats(_Record):
+    """Step checkpoints this generation wrote (recforge.train.recovery.checkpointer.Checkpointer.summary)."""
+
+    checkpoints: int
+    kind: str = Field(description="memory | disk")
+    stall_s_median: float | None = None
+    stall_s: list[float]
+    flash_full_saves: int | None = None
+    flash_fast_saves: int | None = None
+
+
+class WorkerResult(_Record):
+    """The job's result as rank 0 of the last generation saw it."""
+
+    world_size: int = Field(ge=1)
+    steps: int = Field(ge=0, description="optimizer steps, counted across generations")
+    epochs: list[int]
+    samples_per_epoch: list[int]
+    loss_per_epoch: list[float | None]
+    final_loss: float | None = None
+    wall_s: float = Field(description="this process, start to result")
+    train_wall_s: float = Field(description="the training loop only")
+    samples_per_s: float = Field(description="samples this generation trained / train_wall_s")
+    batch_size: int
+    threads_per_worker: int
+    fused_embeddings: bool
+    sharding_plan: dict[str, TableSharding]
+    checkpoint_dir: str
+    probe: ProbeRange
+    generation: int
+    resumed_from: ResumedFrom | None = None
+    checkpoints: CheckpointStats
+    grad_accumulation: int = Field(ge=1)
+    micro_batch_size: int
+    rows_per_rank_step: int
+    global_batch: int
+    rap: dict[str, Any] | None = Field(None, description="RAP co-run summary (recforge.rap CorunSession.summary)")
+
+    def save(self, output_dir: str | Path) -> Path:
+        """Write `output_dir`/result.json atomically (temp file + rename)."""
+        path = Path(output_dir) / RESULT_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(RESULT_FILE + ".tmp")
+        tmp.write_text(self.model_dump_json(indent=2))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, output_dir: str | Path) -> WorkerResult:
+        """`output_dir`/result.json; FileNotFoundError when rank 0 wrote none, ValueError naming the bad fields."""
+        path = Path(output_dir) / RESULT_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"worker result not found: {path} (rank 0 writes it when training finishes)")
+        try:
+            return cls.model_validate_json(path.read_text())
+        except ValidationError as e:
+            fields = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+            raise ValueError(f"{path} does not hold a WorkerResult: {fields}") from None
