@@ -40,7 +40,6 @@ from _results import write_report  # bench/_results.py (bench/ is the script's d
 from bench_rap import FixedTasks, RowsInMemory, make_data
 from recforge.config import ModelConfig, TrainConfig
 from recforge.data.shards import read_rows
-from recforge.elastic.backends.local import free_port
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.executors.fused import FusedExecutor
 from recforge.preprocess.presets import load_plan, preset_dataset
@@ -51,6 +50,7 @@ from recforge.rap.planning.schedule import whole_kernel_schedule
 from recforge.rap.runtime.corun_batches import CorunBatch, CorunReadAhead
 from recforge.rap.runtime.session import CorunSession
 from recforge.train.batches import Batch, slice_raw
+from recforge.train.distributed import free_port
 from recforge.train.loop import LoopState, train_epoch
 from recforge.train.model import build_dlrm
 from recforge.train.sharding import shard_model

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from recforge.config import DatasetConfig, DenseFeature, SparseFeature
-from recforge.elastic.backends.local import free_port
 from recforge.elastic.master.tasks import Task
+from recforge.train.distributed import free_port
 
 DS = DatasetConfig(
     name="tiny",

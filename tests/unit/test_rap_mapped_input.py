@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recforge.elastic.backends.local import free_port
+from recforge.train.distributed import free_port
 
 TABLES = [("C1", 50), ("C2", 70), ("C3", 30), ("C4", 20)]
 NUM_DENSE, DIM, B, WORLD = 3, 8, 5, 2

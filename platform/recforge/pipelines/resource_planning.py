@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 # the plan task: stage 1
 # ---------------------------------------------------------------------------------------------
-def plan_with_dlrover(store: TrackingStore, run_id: str, cfg, tables, total_rows: int) -> tuple[ResourcePlan, dict[str, Any]]:
+def plan_with_dlrover(store: TrackingStore, run_id: str, cfg, tables,
+                      total_rows: int) -> tuple[ResourcePlan, dict[str, Any]]:
     """Stage 1 for the plan task: MLflow history of runs with the same dataset preset and model family,
     within cfg.resources.dlrover's limits. Logs the events and the stage's state; returns
     (ResourcePlan, state for the train task)."""
@@ -89,7 +90,8 @@ def pipeline_plan(resources, *, dataset: str, model_family: str, batch_size: int
              "table_bytes": table_bytes(tables, embedding_dim), "total_samples": float(total_rows) * epochs}
     if memory_per_worker is not None:
         extra["memory_per_worker"] = float(memory_per_worker)
-    info = JobInfo(shard_rows=[int(total_rows)], epochs=epochs, rows_per_task=batch_size, resources=resources, extra=extra)
+    info = JobInfo(shard_rows=[int(total_rows)], epochs=epochs, rows_per_task=batch_size, resources=resources,
+                   extra=extra)
     rp = policy.plan(info)
     return {"workers": rp.workers, "threads_per_worker": rp.threads_per_worker, "events": policy.events,
             "state": policy.stage1_state()}
@@ -117,10 +119,12 @@ def log_dlrover_run(store: TrackingStore, run_id: str, scaler: DLRoverScaler,
     for p in by_plan:
         metrics[f"dlrover.samples_per_s.w{p['workers']}t{p['threads_per_worker']}"] = p["samples_per_s"]
     if len(by_plan) >= 2 and by_plan[0]["samples_per_s"] > 0:
-        metrics["dlrover.throughput_ratio_last_vs_first_plan"] = by_plan[-1]["samples_per_s"] / by_plan[0]["samples_per_s"]
+        metrics["dlrover.throughput_ratio_last_vs_first_plan"] = (by_plan[-1]["samples_per_s"]
+                                                                  / by_plan[0]["samples_per_s"])
     store.log_metrics(run_id, metrics)
     for i, m in enumerate(scaler.measured):  # the run's timeline, one point per profiler poll
-        store.log_metrics(run_id, {"dlrover.samples_per_s": m["samples_per_s"], "dlrover.workers": float(m["workers"])}, step=i)
+        store.log_metrics(run_id, {"dlrover.samples_per_s": m["samples_per_s"],
+                                   "dlrover.workers": float(m["workers"])}, step=i)
     summary: dict[str, Any] = {"executed": [e.to_dict() for e in executed], "throughput_by_plan": by_plan,
                                "attempts": list(attempts), "final_plan": scaler.plan.to_dict(),
                                "events": len(events), "model_status": scaler.runtime.model.status}
@@ -129,9 +133,12 @@ def log_dlrover_run(store: TrackingStore, run_id: str, scaler: DLRoverScaler,
     return summary
 
 
-def _log_run_model(store: TrackingStore, run_id: str, scaler: DLRoverScaler, by_plan: list[dict[str, Any]]) -> str | None:
+def _log_run_model(store: TrackingStore, run_id: str, scaler: DLRoverScaler,
+                   by_plan: list[dict[str, Any]]) -> str | None:
     """The runtime stage's model after the run, fitted (or the prior rescaled) on what the run measured."""
-    online, job = scaler.runtime.model, scaler.policy.job
+    online, job, warm = scaler.runtime.model, scaler.policy.job, scaler.policy.warm
+    if job is None or warm is None:  # a DLRoverScaler is only built on a policy that ran stage 1
+        raise RuntimeError("DLRoverPolicy: call plan(job) (stage 1) first")
     if not online.samples:
         log.warning("DLRover: the run measured no throughput; no resource model logged for the history")
         return None
@@ -146,7 +153,7 @@ def _log_run_model(store: TrackingStore, run_id: str, scaler: DLRoverScaler, by_
                      .allocation(job.host_cores), float(p["samples_per_s"])) for p in by_plan]
     return log_resource_model(
         store, run_id, model=online.model, dataset=job.dataset, model_family=job.model_family,
-        final_plan=scaler.plan.to_dict(), memory=scaler.policy.warm.memory, samples_per_s=by_plan[-1]["samples_per_s"],
+        final_plan=scaler.plan.to_dict(), memory=warm.memory, samples_per_s=by_plan[-1]["samples_per_s"],
         points=points, extra={"points": [{"allocation": s.allocation.to_dict(), "samples_per_s": s.samples_per_s}
                                          for s in points], "model_status": online.status}, register=True)
 
@@ -156,13 +163,15 @@ def _log_run_model(store: TrackingStore, run_id: str, scaler: DLRoverScaler, by_
 # ---------------------------------------------------------------------------------------------
 def recommend_after_run(state: Mapping[str, Any], worker_result: Mapping[str, Any],
                         per_worker_samples: Mapping[str, float] | None = None,
-                        cfg: OptimizerConfig = OptimizerConfig()) -> tuple[list[Event], ThroughputModel | None, PodPlan]:
+                        cfg: OptimizerConfig = OptimizerConfig(),
+                        ) -> tuple[list[Event], ThroughputModel | None, PodPlan]:
     """Stages 2 and 3 on what a finished run measured (its throughput, and each worker's share of the
     samples from the job master). The run is one long profile, so stage 2 needs one sample and no
     pacing here. Returns the events (recommendations: nothing executes them), the job's model (the
     prior rescaled to the measurement, for the history) and the plan that ran."""
     j = state["job"]
-    ran = replace(PodPlan.from_dict(state["plan"]), workers=int(worker_result.get("world_size", state["plan"]["workers"])),
+    ran = replace(PodPlan.from_dict(state["plan"]),
+                  workers=int(worker_result.get("world_size", state["plan"]["workers"])),
                   cpu_per_worker=float(worker_result.get("threads_per_worker", state["plan"]["cpu_per_worker"])),
                   batch_size=int(worker_result.get("batch_size", j["batch_size"])))
     limits = JobLimits(**state["limits"])
@@ -195,6 +204,6 @@ def recommend_after_run(state: Mapping[str, Any], worker_result: Mapping[str, An
     if thr <= 0:
         events.append(Event("runtime", "fallback", "the run reported no throughput: no model update",
                             plan_before=ran.to_dict()))
-    for e in events:
-        e.reason += " [recommendation: not executed; the elastic runtime that applies plans is a separate issue]"
+    for ev in events:
+        ev.reason += " [recommendation: not executed; the elastic runtime that applies plans is a separate issue]"
     return events, rt.model.model if rt.model.samples else None, ran

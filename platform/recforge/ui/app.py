@@ -100,6 +100,7 @@ def create_app(auth: Callable[..., Any] | None = None, *, allow_anonymous: bool 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
         wants_html = "text/html" in request.headers.get("accept", "") and "/api/" not in request.url.path
+        response: HTMLResponse | JSONResponse
         if wants_html:
             response = page(request, "error.html", status=exc.status_code, code=exc.status_code,
                             detail=str(exc.detail))

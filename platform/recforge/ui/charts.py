@@ -57,7 +57,10 @@ def gantt(schedule: Any) -> dict[str, Any]:
     t0, t1 = min(p[3] for p in parsed), max(p[4] for p in parsed)
     span = (t1 - t0) or 1.0
     plot_w = WIDTH - LABEL_W - PAD
-    x = lambda t: LABEL_W + (t - t0) / span * plot_w  # noqa: E731
+
+    def x(t: float) -> float:
+        return LABEL_W + (t - t0) / span * plot_w
+
     bars = [{"x": round(x(s), 2), "y": lanes.index(lane) * LANE_H + 3, "w": round(max(x(e) - x(s), 1.0), 2),
              "h": LANE_H - 6, "color": PALETTE[kinds.index(kind) % len(PALETTE)],
              "title": f"{name} [{lane}] {s:g}–{e:g} {unit}".strip()} for lane, name, kind, s, e in parsed]
@@ -83,16 +86,23 @@ def step_series(points: list[tuple[float, float]], y_label: str, x_label: str = 
     t_hi = max(points[-1][0], 1.0)
     v_hi = max(max(v for _, v in points), 1.0)
     plot_w, plot_h = WIDTH - LABEL_W - STEP_PAD, height - top - bottom
-    x = lambda t: LABEL_W + t / t_hi * plot_w  # noqa: E731
-    y = lambda v: top + plot_h - v / v_hi * plot_h  # noqa: E731
-    x_name = (lambda v: f"{v:g} s") if x_label == "s" else (lambda v: f"{x_label} {v:g}")  # noqa: E731
+
+    def x(t: float) -> float:
+        return LABEL_W + t / t_hi * plot_w
+
+    def y(v: float) -> float:
+        return top + plot_h - v / v_hi * plot_h
+
+    def x_name(v: float) -> str:
+        return f"{v:g} s" if x_label == "s" else f"{x_label} {v:g}"
+
     path, prev = [], None
     for t, v in points:
         if prev is not None:
             path.append(f"{x(t):.1f},{y(prev):.1f}")
         path.append(f"{x(t):.1f},{y(v):.1f}")
         prev = v
-    path.append(f"{x(t_hi):.1f},{y(prev):.1f}")
+    path.append(f"{x(t_hi):.1f},{y(points[-1][1]):.1f}")  # the last value held to the right edge
     return {
         "width": WIDTH, "height": height, "label_w": LABEL_W, "y_label": y_label, "polyline": " ".join(path),
         "dots": [{"x": round(x(t), 1), "y": round(y(v), 1), "title": f"{x_name(t)}: {y_label} {v:g}"}

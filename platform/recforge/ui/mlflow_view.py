@@ -64,7 +64,7 @@ class MlflowView:
             try:
                 exp = self.store.client.get_experiment_by_name(self.experiment)
                 self._experiment_id = exp.experiment_id if exp is not None else None
-            except Exception as e:  # noqa: BLE001 - any store failure is shown, not raised
+            except Exception as e:  # any store failure is shown, not raised
                 self._note("MLflow experiment", e)
         return self._experiment_id
 
@@ -76,7 +76,7 @@ class MlflowView:
         try:
             runs = self.store.client.search_runs([exp], filter_string=f"tags.`{STAGE_TAG}` = '{PARENT_STAGE}'",
                                                  max_results=1000)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # shown, not raised
             self._note("MLflow pipeline runs", e)
             return {}
         return {r.data.tags[RUN_KEY_TAG]: MlflowRun.of(r) for r in runs if RUN_KEY_TAG in r.data.tags}
@@ -85,7 +85,7 @@ class MlflowView:
         """stage name (and "pipeline" for the parent) -> run."""
         try:
             return {stage: MlflowRun.of(r) for stage, r in self.store.stage_runs(self.experiment, run_key).items()}
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # shown, not raised
             self._note(f"MLflow runs of {run_key}", e)
             return {}
 
@@ -110,7 +110,7 @@ class MlflowView:
                 return self._bounded(local, run, path)
             with tempfile.TemporaryDirectory() as tmp:
                 return self._bounded(Path(self.store.client.download_artifacts(run.run_id, path, tmp)), run, path)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # shown, not raised
             if isinstance(e, FileNotFoundError) or "Failed to download artifacts from path" in str(e):
                 return None  # the directory exists, this file in it does not
             self._note(f"artifact {path} of run {run.run_id}", e)
@@ -160,7 +160,7 @@ class MlflowView:
     def model_version(self, name: str, version: str) -> dict[str, Any] | None:
         try:
             mv = self.store.client.get_model_version(name, str(version))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # shown, not raised
             self._note(f"model {name} v{version}", e)
             return None
         return {"name": mv.name, "version": str(mv.version), "status": mv.status, "run_id": mv.run_id,

@@ -253,7 +253,8 @@ def _resource_section(run: RunRecord, mlruns: dict[str, MlflowRun], ml: MlflowVi
     record = ml.artifact_json(train_run, RECORD_ARTIFACT) if train_run else None
     if plan_out is None and not events and plot is None:
         return None
-    decisions, points = [], []
+    decisions: list[dict[str, Any]] = []
+    points: list[tuple[float, float]] = []  # (decision number, workers)
     # DLRover-RM's stages in order; within one, by time (warm-start events carry wall-clock seconds, runtime
     # events seconds into the job, so times are shown as recorded, never subtracted across stages)
     order = {stage: i for i, stage in enumerate(DECISION_STAGES)}
@@ -267,8 +268,8 @@ def _resource_section(run: RunRecord, mlruns: dict[str, MlflowRun], ml: MlflowVi
             "after": json.dumps(after, default=str) if after is not None else "–",
             "executed": fmt(bool(e.get("executed"))),
         })
-        if not points and _workers_of(before) is not None:
-            points.append((0, _workers_of(before)))
+        if not points and (w0 := _workers_of(before)) is not None:
+            points.append((0, w0))
         w = _workers_of(after) if after is not None else _workers_of(before)
         if w is not None:
             points.append((i + 1, w))
@@ -278,8 +279,9 @@ def _resource_section(run: RunRecord, mlruns: dict[str, MlflowRun], ml: MlflowVi
                       if k.startswith("resource_model.")]
     if isinstance(record, dict) and isinstance(record.get("final_plan"), dict):
         model_rows.insert(0, ("final plan", json.dumps(record["final_plan"], default=str)))
+    pipeline_run = mlruns.get("pipeline")
     return {
-        "policy": (mlruns.get("pipeline").params.get("resources.policy") if mlruns.get("pipeline") else None),
+        "policy": pipeline_run.params.get("resources.policy") if pipeline_run else None,
         "workers": fmt(plan_out.workers if plan_out else None),
         "threads": fmt(plan_out.threads_per_worker if plan_out else None),
         "world_size": fmt(train_out.world_size if train_out else None),

@@ -5,7 +5,8 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, tuple[str, ...]] = {  # defining module -> its public names
-    "recforge.worker.trainer": ("PROBE_FILE", "RESULT_FILE", "rank_step_rows", "run"),
+    "recforge.worker.trainer": ("PROBE_FILE", "rank_step_rows", "run"),
+    "recforge.train.result": ("RESULT_FILE",),  # rank 0's output_dir holds RESULT_FILE (WorkerResult) and PROBE_FILE
     "recforge.worker.corun": ("epoch_source", "start_session", "worker_mapping"),
     "recforge.worker.elastic_client": ("launch_generation",),
 }

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from recforge.preprocess.executor import make_executor
+from recforge.preprocess.executors.fused import FusedExecutor
 from recforge.preprocess.planning.compiler import CompiledPlan
 from recforge.preprocess.planning.plan import Plan
 from recforge.rap.mapping.mapped_input import MappedInput
@@ -43,6 +44,8 @@ def start_session(spec: WorkerSpec, plan: Plan, sharded: ShardedModel, device: t
     if mapping is not None and mapping.executed:
         return mapped_session(spec, plan, sharded, mapping, device, rank, world_size, batch_size or mapping.batch_size)
     executor = make_executor("fused", plan, spec.dataset)
+    if not isinstance(executor, FusedExecutor):  # make_executor("fused") builds one: the schedule needs its plan
+        raise TypeError(f"make_executor('fused') built a {type(executor).__name__}, not a FusedExecutor")
     schedule = load_schedule(spec.corun_schedule_path, executor.compiled)
     return CorunSession(plan, spec.dataset, schedule, sharded.model, device, threads=spec.corun_threads,
                         sharding=sharded.plan_summary(), executor=executor)
@@ -64,5 +67,7 @@ def epoch_source(spec: WorkerSpec, corun: CorunSession | None, client, executor,
     if corun is not None:
         return corun.batches(client, spec.manifest_dir, spec.dataset, batch_size, device, ledger)
     if spec.preprocessing == "offline":
+        if spec.preprocessed_dir is None:  # WorkerSpec's validator requires it; a spec changed after validation
+            raise ValueError("preprocessed_dir: required when preprocessing is 'offline'")
         return OfflineTaskBatches(client, spec.preprocessed_dir, spec.dataset, batch_size, device, ledger=ledger)
     return TaskBatches(client, spec.manifest_dir, spec.dataset, executor, batch_size, device, ledger=ledger)

@@ -54,7 +54,7 @@ def tracking_log_fn() -> LogFn | None:
 
 def _metrics_sink(spec: WorkerSpec) -> AsyncMetricsSink | None:
     """An AsyncMetricsSink bound to the spec's MLflow run, or None (no run id / no tracking module)."""
-    if not spec.mlflow_run_id:
+    if not spec.mlflow_run_id or not spec.tracking_uri:  # WorkerSpec requires a tracking_uri with a run id
         return None
     fn = tracking_log_fn()
     return AsyncMetricsSink(fn, spec.tracking_uri, spec.mlflow_run_id) if fn is not None else None
@@ -120,8 +120,8 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
             source = epoch_source(spec, corun, client, executor, micro, device, ledger)  # by spec.preprocessing
             current["source"] = source
             resume = start.current if start.current is not None and start.current.epoch == epoch else None
-            common = dict(epoch=epoch, world_size=world_size, log_every=spec.train.log_every, heartbeat=heartbeat,
-                          sink=sink, rank=rank, resume=resume, on_window=hook)
+            common: dict[str, Any] = dict(epoch=epoch, world_size=world_size, log_every=spec.train.log_every,
+                                          heartbeat=heartbeat, sink=sink, rank=rank, resume=resume, on_window=hook)
             if accumulation == 1:
                 train_epoch(sharded, source, zero_batch, state, **common)
             else:
