@@ -19,7 +19,7 @@ LAYERS: dict[str, int] = {
     "pipelines": 3, "worker": 3, "ui": 3, "cli": 3, "demo": 3,
     "rap": 2, "elastic": 2, "recom": 2,
     "train": 1, "preprocess": 1, "data": 1, "tracking": 1,
-    "config": 0, "settings": 0, "recforge_kernels": 0,
+    "config": 0, "settings": 0, "exports": 0, "recforge_kernels": 0,
 }
 LAYER_NAMES = {3: "composition", 2: "seed system", 1: "core", 0: "base"}
 LAZY_MARK = "# lazy:"

@@ -2,36 +2,26 @@
 the resource optimizer."""
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from recforge.exports import lazy_exports
 
 if TYPE_CHECKING:
-    from recforge.elastic.backends.base import Backend, JobFailedError
-    from recforge.elastic.job import JobResult, run_training_job
-    from recforge.elastic.optimizer.policy import DLRoverPolicy
-    from recforge.elastic.policy import JobInfo, OversubscriptionWarning, Policy, ResourcePlan, StaticPolicy
+    from recforge.elastic.backends.base import Backend as Backend
+    from recforge.elastic.backends.base import JobFailedError as JobFailedError
+    from recforge.elastic.job import JobResult as JobResult
+    from recforge.elastic.job import run_training_job as run_training_job
+    from recforge.elastic.optimizer.policy import DLRoverPolicy as DLRoverPolicy
+    from recforge.elastic.policy import JobInfo as JobInfo
+    from recforge.elastic.policy import OversubscriptionWarning as OversubscriptionWarning
+    from recforge.elastic.policy import Policy as Policy
+    from recforge.elastic.policy import ResourcePlan as ResourcePlan
+    from recforge.elastic.policy import StaticPolicy as StaticPolicy
 
 # Names resolve on first use: a worker importing the agent must not load the master, FastAPI or scipy.
-_EXPORTS = {
-    "JobInfo": "recforge.elastic.policy",
-    "OversubscriptionWarning": "recforge.elastic.policy",
-    "Policy": "recforge.elastic.policy",
-    "ResourcePlan": "recforge.elastic.policy",
-    "StaticPolicy": "recforge.elastic.policy",
-    "JobResult": "recforge.elastic.job",
-    "run_training_job": "recforge.elastic.job",
-    "Backend": "recforge.elastic.backends.base",
-    "JobFailedError": "recforge.elastic.backends.base",
-    "DLRoverPolicy": "recforge.elastic.optimizer.policy",
-}
-
-__all__ = [
-    "Backend", "DLRoverPolicy", "JobFailedError", "JobInfo", "JobResult", "OversubscriptionWarning", "Policy",
-    "ResourcePlan", "StaticPolicy", "run_training_job",
-]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__, __getattr__, __dir__, _WHERE = lazy_exports(__name__, {
+    "recforge.elastic.policy": ("JobInfo", "OversubscriptionWarning", "Policy", "ResourcePlan", "StaticPolicy"),
+    "recforge.elastic.job": ("JobResult", "run_training_job"),
+    "recforge.elastic.backends.base": ("Backend", "JobFailedError"),
+    "recforge.elastic.optimizer.policy": ("DLRoverPolicy",),
+})

@@ -5,10 +5,10 @@ The design and the paper's ideas: docs/rap.md.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from recforge.exports import lazy_exports
 
-_EXPORTS: dict[str, tuple[str, ...]] = {  # defining module -> its public names
+# Names resolve on first use: RAP's modules load torch, the package itself stays cheap.
+__all__, __getattr__, __dir__, _WHERE = lazy_exports(__name__, {
     "recforge.rap.profiling.stages": ("STAGES", "StageTracker"),
     "recforge.rap.profiling.profiler": ("ProfileKey", "ProfileMismatch", "StageProfile", "StageProfiler"),
     "recforge.rap.profiling.profile_job": ("ensure_profile", "profile_job"),
@@ -27,13 +27,4 @@ _EXPORTS: dict[str, tuple[str, ...]] = {  # defining module -> its public names
     "recforge.rap.runtime.corun_runtime": ("CorunConfigError", "CorunRuntime"),
     "recforge.rap.runtime.session": ("CorunSession",),
     "recforge.rap.runtime.offline": ("OfflineTaskBatches", "preprocess_manifest"),
-}
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    """Import the defining module on first use: RAP's modules load torch, the package itself stays cheap."""
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_WHERE[name]), name)
+})

@@ -2,28 +2,21 @@
 imports mlflow."""
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from recforge.exports import lazy_exports
 
 if TYPE_CHECKING:
-    from recforge.tracking.metrics import log_metrics
-    from recforge.tracking.registry import ModelRegistry, PromotionDecision
-    from recforge.tracking.store import TrackingStore, default_artifact_root, default_tracking_uri
+    from recforge.tracking.metrics import log_metrics as log_metrics
+    from recforge.tracking.registry import ModelRegistry as ModelRegistry
+    from recforge.tracking.registry import PromotionDecision as PromotionDecision
+    from recforge.tracking.store import TrackingStore as TrackingStore
+    from recforge.tracking.store import default_artifact_root as default_artifact_root
+    from recforge.tracking.store import default_tracking_uri as default_tracking_uri
 
 # Names resolve on first use: `import recforge.tracking` stays cheap (mlflow takes seconds to import).
-_EXPORTS = {
-    "TrackingStore": "recforge.tracking.store", "default_tracking_uri": "recforge.tracking.store",
-    "default_artifact_root": "recforge.tracking.store", "log_metrics": "recforge.tracking.metrics",
-    "ModelRegistry": "recforge.tracking.registry", "PromotionDecision": "recforge.tracking.registry",
-}
-
-__all__ = [
-    "TrackingStore", "default_tracking_uri", "default_artifact_root", "log_metrics",
-    "ModelRegistry", "PromotionDecision",
-]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__, __getattr__, __dir__, _WHERE = lazy_exports(__name__, {
+    "recforge.tracking.store": ("TrackingStore", "default_artifact_root", "default_tracking_uri"),
+    "recforge.tracking.metrics": ("log_metrics",),
+    "recforge.tracking.registry": ("ModelRegistry", "PromotionDecision"),
+})

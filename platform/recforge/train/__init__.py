@@ -1,10 +1,10 @@
 """TorchRec training building blocks: the DLRM, its sharding, the step loop, metrics; checkpoints in recovery/."""
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from recforge.exports import lazy_exports
 
-_EXPORTS: dict[str, tuple[str, ...]] = {  # defining module -> its public names
+# Names resolve on first use: the package stays cheap to import (its modules load torchrec).
+__all__, __getattr__, __dir__, _WHERE = lazy_exports(__name__, {
     "recforge.train.spec": ("WorkerSpec",),
     "recforge.train.result": ("WorkerResult",),
     "recforge.train.model": ("EBC_PATH", "build_dlrm", "embedding_configs"),
@@ -22,13 +22,4 @@ _EXPORTS: dict[str, tuple[str, ...]] = {  # defining module -> its public names
     "recforge.train.metrics": ("auc", "evaluate", "logloss", "normalized_entropy"),
     "recforge.train.metrics_sink": ("AsyncMetricsSink",),
     "recforge.train.probe": ("probe_logits",),
-}
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    """Import the defining module on first use: the package stays cheap to import (its modules load torchrec)."""
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_WHERE[name]), name)
+})

@@ -4,33 +4,29 @@
 # recforge.elastic.optimizer's real code); report.py turns the results into a table, JSON and plots.
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from recforge.elastic.simulate.cluster import ClusterSpec
+from recforge.exports import lazy_exports
 
 if TYPE_CHECKING:
-    from recforge.elastic.simulate.engine import SimParams, simulate
-    from recforge.elastic.simulate.policies import make_policy
-    from recforge.elastic.simulate.trace import TraceParams, generate_trace
+    from recforge.elastic.simulate.engine import SimParams as SimParams
+    from recforge.elastic.simulate.engine import simulate as simulate
+    from recforge.elastic.simulate.policies import make_policy as make_policy
+    from recforge.elastic.simulate.trace import TraceParams as TraceParams
+    from recforge.elastic.simulate.trace import generate_trace as generate_trace
 
 DEFAULT_POLICIES = ("static", "optimus", "dlrover")
 
 # Names resolve on first use: `recforge --help` imports this package's CLI; numpy / scipy load only when used.
-_EXPORTS = {
-    "SimParams": "recforge.elastic.simulate.engine",
-    "simulate": "recforge.elastic.simulate.engine", "make_policy": "recforge.elastic.simulate.policies",
-    "TraceParams": "recforge.elastic.simulate.trace", "generate_trace": "recforge.elastic.simulate.trace",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__, __getattr__, __dir__, _WHERE = lazy_exports(__name__, {
+    "recforge.elastic.simulate.engine": ("SimParams", "simulate"),
+    "recforge.elastic.simulate.policies": ("make_policy",),
+    "recforge.elastic.simulate.trace": ("TraceParams", "generate_trace"),
+}, eager=("DEFAULT_POLICIES", "ClusterSpec", "run_comparison", "simulate_policies"))
 
 
 def run_comparison(trace_params=None, *, cluster=None, params=None, policies: Sequence[str] = DEFAULT_POLICIES,
@@ -58,6 +54,3 @@ def simulate_policies(trace, policies: Sequence[str], cluster, params, seed: int
         walls[name] = time.perf_counter() - t
     return results, walls
 
-
-__all__ = ["DEFAULT_POLICIES", "ClusterSpec", "SimParams", "TraceParams", "generate_trace", "make_policy",
-           "run_comparison", "simulate", "simulate_policies"]

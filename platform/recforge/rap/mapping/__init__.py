@@ -1,10 +1,10 @@
 """RAP's mapping: where each table and its preprocessing live (a MILP), and the mapped co-run's input path."""
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from recforge.exports import lazy_exports
 
-_EXPORTS: dict[str, tuple[str, ...]] = {  # defining module -> its public names
+# Names resolve on first use: RAP's modules load torch, the package itself stays cheap.
+__all__, __getattr__, __dir__, _WHERE = lazy_exports(__name__, {
     "recforge.rap.mapping.milp": (
         "MappingCosts", "MappingError", "MappingResult", "Placement", "TableLoad", "candidate_placements", "evaluate",
         "from_torchrec", "rank_plan", "solve", "split_rank_plan",
@@ -18,13 +18,4 @@ _EXPORTS: dict[str, tuple[str, ...]] = {  # defining module -> its public names
     ),
     "recforge.rap.mapping.mapped_input": ("MappedInput", "MappedInputError"),
     "recforge.rap.mapping.mapped_batches": ("MappedCorunBatches", "MappedTaskBatches"),
-}
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    """Import the defining module on first use: RAP's modules load torch, the package itself stays cheap."""
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_WHERE[name]), name)
+})
