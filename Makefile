@@ -53,7 +53,7 @@ test: lint sysdeps $(STAMP)
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5): failing" >&2; fi; \
 	exit $$rc
 
-# The venv's own ruff and mypy (pinned in requirements/test.txt); settings in pyproject.toml.
+# The venv's own ruff and mypy (pyproject's `test` extra, pinned in the lock); settings in pyproject.toml.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check platform kernels tests bench dags plugins
 	$(VENV)/bin/mypy

@@ -6,35 +6,34 @@ the plan stage, the UI and the CLI import this package without loading torch.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from recforge.preprocess.planning import CompiledPlan, FeaturePlan, OpSpec, Plan, PlanError, compile_plan, criteo_plan
-from recforge.preprocess.presets import load_plan
-from recforge.preprocess.run_params import preprocess_params
-from recforge.preprocess.semantics import OPS, OpError
+from recforge.exports import lazy_exports
+from recforge.preprocess.planning import CompiledPlan as CompiledPlan
+from recforge.preprocess.planning import FeaturePlan as FeaturePlan
+from recforge.preprocess.planning import OpSpec as OpSpec
+from recforge.preprocess.planning import Plan as Plan
+from recforge.preprocess.planning import PlanError as PlanError
+from recforge.preprocess.planning import compile_plan as compile_plan
+from recforge.preprocess.planning import criteo_plan as criteo_plan
+from recforge.preprocess.presets import load_plan as load_plan
+from recforge.preprocess.run_params import preprocess_params as preprocess_params
+from recforge.preprocess.semantics import OPS as OPS
+from recforge.preprocess.semantics import OpError as OpError
 
 if TYPE_CHECKING:
-    from recforge.preprocess.batch import RawBatch
-    from recforge.preprocess.columns import BatchError
-    from recforge.preprocess.executor import EXECUTORS, Executor, TorchExecutor, make_executor
-    from recforge.preprocess.module import PreprocessModule
+    from recforge.preprocess.batch import RawBatch as RawBatch
+    from recforge.preprocess.columns import BatchError as BatchError
+    from recforge.preprocess.executor import EXECUTORS as EXECUTORS
+    from recforge.preprocess.executor import Executor as Executor
+    from recforge.preprocess.executor import TorchExecutor as TorchExecutor
+    from recforge.preprocess.executor import make_executor as make_executor
+    from recforge.preprocess.module import PreprocessModule as PreprocessModule
 
-_TORCH_EXPORTS = {
-    "RawBatch": "recforge.preprocess.batch", "BatchError": "recforge.preprocess.columns",
-    "EXECUTORS": "recforge.preprocess.executor", "Executor": "recforge.preprocess.executor",
-    "TorchExecutor": "recforge.preprocess.executor", "make_executor": "recforge.preprocess.executor",
-    "PreprocessModule": "recforge.preprocess.module",
-}
-
-__all__ = [
-    "EXECUTORS", "OPS", "BatchError", "CompiledPlan", "Executor", "FeaturePlan", "OpError", "OpSpec", "Plan",
-    "PlanError", "PreprocessModule", "RawBatch", "TorchExecutor", "compile_plan", "criteo_plan", "load_plan",
-    "make_executor", "preprocess_params",
-]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _TORCH_EXPORTS:
-        return getattr(importlib.import_module(_TORCH_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__, __getattr__, __dir__, _WHERE = lazy_exports(__name__, {
+    "recforge.preprocess.batch": ("RawBatch",),
+    "recforge.preprocess.columns": ("BatchError",),
+    "recforge.preprocess.executor": ("EXECUTORS", "Executor", "TorchExecutor", "make_executor"),
+    "recforge.preprocess.module": ("PreprocessModule",),
+}, eager=("OPS", "CompiledPlan", "FeaturePlan", "OpError", "OpSpec", "Plan", "PlanError", "compile_plan",
+          "criteo_plan", "load_plan", "preprocess_params"))
