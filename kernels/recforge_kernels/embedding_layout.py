@@ -1,19 +1,8 @@
-"""Layout of the fused embedding layer's per-column metadata (one int64 row per column), shared by the
-op's Python side, its C++ and Triton implementations and the torch reference.
+"""Layout of the fused embedding layer's per-column metadata: one int64 row per column.
 
-Row fields (``META_FIELDS``), then ``MAX_STEPS`` steps of ``STEP_WIDTH`` int64 each: (op, p0..p4).
-
-Step ops and their parameters:
-  SELECT     p0 input index of a flag tensor, p1 its column (-1: 1-D), p2..p3 kept flag interval [lo, hi],
-             p4 fill value: x if lo <= flag <= hi else p4
-  BUCKETIZE  p0 offset into the boundary buffer, p1 count K, p2 right (0/1), p3 1: float boundaries (fbuf,
-             compared as double), 0: int64 boundaries (ibuf); result in [0, K]
-  MOD        p0 n > 0: floor-mod
-  SIGRID     p0 salt, p1 M >= 1: sigrid_hash(x, salt, M) in [0, M)
-  CLAMP      p0 lo, p1 hi (int64 min / max for none)
-  ADD        p0 c (wrapping int64 add)
-  REPLACE    p0 lo, p1 hi, p2 0: keep [lo, hi] / 1: keep outside it, p3 fill value
-  REMOVE     p0 lo, p1 hi, p2 as REPLACE: an element not kept is dropped (a gather row becomes zeros)
+Shared by the op's Python side, its C++ and Triton implementations and the torch reference: the fields of
+``META_FIELDS``, then ``MAX_STEPS`` steps of ``STEP_WIDTH`` int64 each, (op, p0..p4); the step ops and their
+parameters are listed beside the ``OP_*`` constants below.
 """
 from __future__ import annotations
 
@@ -40,6 +29,17 @@ STEP_BASE = len(META_FIELDS)
 META_WIDTH = STEP_BASE + MAX_STEPS * STEP_WIDTH
 
 LOOKUP_GATHER, LOOKUP_SUM, LOOKUP_MEAN = 0, 1, 2
+# Step ops and their parameters (p0..p4):
+#   SELECT     p0 input index of a flag tensor, p1 its column (-1: 1-D), p2..p3 kept flag interval [lo, hi],
+#              p4 fill value: x if lo <= flag <= hi else p4
+#   BUCKETIZE  p0 offset into the boundary buffer, p1 count K, p2 right (0/1), p3 1: float boundaries (fbuf,
+#              compared as double), 0: int64 boundaries (ibuf); result in [0, K]
+#   MOD        p0 n > 0: floor-mod
+#   SIGRID     p0 salt, p1 M >= 1: sigrid_hash(x, salt, M) in [0, M)
+#   CLAMP      p0 lo, p1 hi (int64 min / max for none)
+#   ADD        p0 c (wrapping int64 add)
+#   REPLACE    p0 lo, p1 hi, p2 0: keep [lo, hi] / 1: keep outside it, p3 fill value
+#   REMOVE     p0 lo, p1 hi, p2 as REPLACE: an element not kept is dropped (a gather row becomes zeros)
 OP_NOP, OP_SELECT, OP_BUCKETIZE, OP_MOD, OP_SIGRID, OP_CLAMP, OP_ADD, OP_REPLACE, OP_REMOVE = range(9)
 OP_NAMES = ("nop", "select", "bucketize", "mod", "sigrid", "clamp", "add", "replace", "remove")
 INT64_MIN = -(1 << 63)

@@ -3,17 +3,9 @@
     embedding_layer(Tensor[] inputs, Tensor weights, Tensor fbuf, Tensor ibuf, Tensor meta, SymInt batch,
                     int total_dim) -> Tensor
 
-``inputs`` are the raw per-column tensors (1-D, or [B, F] read column by column; jagged columns add a
-lengths tensor), ``weights`` all tables packed into one float32 buffer, ``fbuf`` / ``ibuf`` the bucketize
-boundaries, ``meta`` one int64 row per column (``embedding_layout``). The result is the concatenated
-float32 [batch, total_dim] output, each column written straight into its slice.
-
-The schema and the fake (shape) function are registered here. Kernels: CPU in C++ (``embedding_cpu``,
-registered natively with the dispatcher when the extension loads, so a call costs no Python), CUDA in
-Triton (``embedding_triton``, when triton imports). Until the C++ extension is loaded, a
-CompositeExplicitAutograd kernel builds / loads it and calls again. ``embedding_reference`` is the
-plain-torch version the kernels are tested against. Errors follow eager: an id outside its table raises
-IndexError; inconsistent jagged lengths raise ValueError.
+Raw per-column inputs, all tables packed into one float32 buffer, the bucketize boundaries and one metadata row
+per column (``embedding_layout``) in; the float32 [batch, total_dim] output out. Schema and fake function here;
+kernels in ``embedding_cpu`` (C++) and ``embedding_triton`` (CUDA). Design: docs/recom.md#the-fused-embedding-op.
 """
 from __future__ import annotations
 

@@ -1,22 +1,10 @@
 """CUDA implementation of ``recforge::embedding_layer`` in Triton: one program per (column, row tile).
 
-Each program reads its column's metadata row (data-driven: no per-column code is generated, so Triton
-compiles one kernel whatever the model), loads the raw values of its rows, runs the column's steps in
-registers (bucketize by binary search over the column's boundaries, floor-mod, sigrid_hash in 64-bit
-unsigned arithmetic, clamp, add, Replace / Remove filters, null-mask select), gathers the table rows from
-the packed weights and pools them, and stores straight into out[rows, out_off : out_off + dim].
-
-Host side: one small pointer table (address, strides, dtype of every input) and the jagged columns'
-row offsets (one stack + one cumsum for all of them) go to the device; sizes come from tensor metadata,
-never from tensor contents, so there is no device-to-host sync unless a column is bounds-checked (its ids
-are not proven in range): then one flag is read after the kernel, to raise IndexError as eager does.
-Inconsistent jagged lengths are not detected on CUDA (that would need a sync); rows past the values are
-read as empty. An unchecked column (check=0: the compiler proved its ids in range) never reads outside its
-table either: an id outside it gives a zero row.
-
-The CPU kernel and the plain-torch reference define the semantics. ``tests/unit/test_recom_triton_interpret.py``
-runs this kernel on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1, triton 3.7.1) against the
-reference, and compiles it for sm_90 down to a cubin (Triton's bundled ptxas needs no GPU); docs/known_limits.md.
+Data-driven: each program reads its column's metadata row (``embedding_layout``), so Triton compiles one kernel
+whatever the model, and the host never reads tensor contents unless a column is bounds-checked. The CPU kernel and
+the plain-torch reference define the semantics; ``tests/unit/test_recom_triton_interpret.py`` checks this kernel
+against them under the Triton interpreter. Design: docs/recom.md#the-fused-embedding-op; not yet run on a GPU:
+docs/known_limits.md.
 """
 from __future__ import annotations
 

@@ -1,20 +1,9 @@
 """Synthetic Criteo-format day files with a hidden, learnable click model.
 
-Shape (per dataset column):
-  * sparse: ids of rank 0..K-1 drawn from a truncated power law (Zipf-like, exponent 1.05-1.25), where K
-    is the dataset cardinality scaled by `cardinality_scale` (small columns stay exact); each rank is
-    written as the 8-digit hex of a keyed bijection of the 32-bit ids (a per-column random permutation,
-    so ids carry no order and hashing has something to do); missing at the column's missing_rate.
-  * dense: non-negative zero-inflated log-normal counts; a column named I2 also takes -1/-2
-    (like Criteo's I2); missing at the column's missing_rate.
-  * label: Bernoulli(sigmoid(z)), z = bias + sparse effects (N(0, s_j) on each column's most frequent
-    ranks, one shared small effect for the tail, one for missing) + a few dense terms on log1p(x) and
-    x > 0. The effects are rescaled so z has a fixed spread and the bias is solved so the mean click
-    probability equals dataset.positive_rate (both on a calibration sample drawn from the model's seed).
-
-The hidden model depends only on (dataset, seed, cardinality scale); each day draws its rows from its
-own random stream, so days differ and a model trained on one day transfers to the next. The report
-gives per day the AUC of the true probabilities against the drawn labels: the Bayes ceiling.
+Sparse ids follow a Zipf-like law behind a per-column keyed permutation, dense values are zero-inflated
+log-normal counts, and labels come from a logistic model of both, calibrated to the dataset's positive rate. The
+hidden model depends only on (dataset, seed, cardinality scale), so days differ but a model trained on one
+transfers to the next; the report gives each day's Bayes ceiling (AUC). Design: docs/architecture.md#synthetic-data.
 """
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
 """The compile seam: ``compile(module, example_inputs) -> CompiledModel``, a torch.nn.Module matching eager.
 
-1. An ``InferenceModule`` is first lowered to its gather form (one-hot proven from the preprocessing plan).
-2. Capture: torch.export with a dynamic batch and dynamic jagged lengths (``capture.py``).
-3. The column compiler (``column_compiler.py``): find the embedding columns (RECom Alg. 1), infer symbolic
-   shapes (SymEngine), read each column into a ColumnProgram, run the column passes, lower the fused
-   columns to one ``recforge::embedding_layer`` call over packed tables.
-4. The rest of the graph (dense net, unfused columns) becomes the residual program, fed the fused output;
-   2-D float linears go through oneDNN; it runs under a backend: ``"export"`` (the exported graph),
-   ``"inductor"`` (torch.compile), ``"aoti"`` (AOTInductor) or ``"auto"`` (AOTInductor, else the graph).
-5. The result is checked against the eager module on the example inputs (CompileMismatchError above atol).
-
-A model without embedding columns is compiled as captured (step 4 on the whole graph) with a warning.
-``save``/``load`` (``artifact.py``) write one file holding the residual program, the fused layer's
-buffers and the metadata.
+Capture with torch.export (``capture.py``), fuse the embedding columns into one ``recforge::embedding_layer`` call
+(``column_compiler.py``), run the residual dense program under a backend (``"export"``, ``"inductor"``,
+``"aoti"`` or ``"auto"``) and check the result against eager; ``save``/``load`` (``artifact.py``) write one file.
+The steps: docs/recom.md#how-recforge-implements-it.
 """
 from __future__ import annotations
 

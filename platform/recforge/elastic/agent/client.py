@@ -1,31 +1,9 @@
-"""Worker-side client of the job master (see recforge.elastic.master.service for the endpoints).
+"""Worker-side client of the job master: lease data-shard tasks, report them done or release their rest.
 
-How a worker of a synchronous data-parallel group uses it, one epoch at a time:
-
-    client = MasterClient(spec.master_url, worker_id=f"rank{rank}")
-    start = client.epoch_state()["epoch"]          # broadcast rank 0's value so all ranks agree
-    for epoch in range(start, spec.train.epochs):
-        while True:
-            task = client.lease()                   # None: this rank has no more data this epoch
-            ... per step: all_reduce "has data"; stop when no rank has any ...
-            client.done(task.task_id, samples)      # or client.release(task.task_id, rows) to stop early
-
-`lease()` semantics: it returns a Task of the worker's current epoch (or a leftover of an older
-epoch that came back from a failed holder), and None exactly when the worker's epoch has nothing
-TODO left: the worker ends its epoch (tasks still in flight on other ranks are theirs to finish).
-After a None the client moves on to the next epoch by itself (`epoch`); `finished` tells when all
-epochs are done (then lease() returns None at once). Should a worker ask for its next epoch while
-the master is still waiting on in-flight tasks of the previous one (held by a worker that died
-outside this group), lease() polls every `poll_interval_s` until a task comes back or the epoch
-advances (bounded by `wait_timeout_s` when set).
-
-Launch generation: each call carries `generation` (default: torchrun's TORCHELASTIC_RESTART_COUNT,
-else 0). When torchrun restarts the group, the first call of the new generation makes the master
-take back every lease of the older one at once instead of waiting for the lease timeout.
-
-Connection errors, timeouts and 5xx answers are retried with exponential backoff, `max_attempts`
-times in all; then MasterUnavailableError. done / release / lease are idempotent on the master, so a
-retried request whose first answer was lost is safe.
+`lease()` returning None ends the worker's current epoch. Every call carries the worker's launch generation (the
+master refuses older ones); connection errors, timeouts and 5xx answers are retried with backoff, which is safe
+because done / release / lease are idempotent on the master. Endpoints: recforge.elastic.master.service.
+Design: docs/fault_tolerance.md#data-shard-tasks.
 """
 from __future__ import annotations
 
@@ -47,6 +25,9 @@ class MasterUnavailableError(ConnectionError):
 
 
 class MasterClient:
+    """The job master's client for one worker. `generation` defaults to torchrun's TORCHELASTIC_RESTART_COUNT
+    (else 0); a call is tried `max_attempts` times in all, with exponential backoff, then MasterUnavailableError."""
+
     def __init__(
         self,
         url: str,
@@ -90,7 +71,12 @@ class MasterClient:
         return self._finished
 
     def lease(self) -> Task | None:
-        """The next task of this worker's epoch, or None: end the epoch (see the module docstring)."""
+        """The next task of this worker's epoch, or None exactly when that epoch has nothing TODO left: end it.
+
+        A task may be a leftover of an older epoch that came back from a failed holder. After a None the client
+        moves on to the next epoch by itself (`epoch`); once `finished`, lease() returns None at once. While the
+        master still waits on in-flight tasks of the previous epoch (held by a worker that died outside this
+        group), it polls every `poll_interval_s` (TimeoutError after `wait_timeout_s`, when set)."""
         deadline = None if self.wait_timeout_s is None else time.monotonic() + self.wait_timeout_s
         while True:
             body = {

@@ -1,21 +1,9 @@
 """DLRover-RM stages 2 and 3 (recforge.elastic.optimizer) executed through the supervisor's rescales.
 
-A `Scaler` for run_training_job's supervisor. Every poll (at most every `min_interval_s`) it turns
-the job master's state into an `Observation`: throughput from the rows done between two polls (a
-window counts when training went on in the windows around it, so start-up and shut-down stay out),
-each worker's step time from the rows it reported since its group started, the workers' resident
-memory and the seconds the launch has been pending (`state["launch"]`, from the backend), the plan
-the group runs. Stage 3 (`InstabilityStage`) sees it first; when it asks for nothing executable,
-stage 2 (`RuntimeStage`) does. The first executable decision becomes a `supervisor.Rescale` (a
-checkpoint-stop-relaunch; which decision becomes which relaunch: docs/fault_tolerance.md). Decisions about
-servers are not executable for our all-to-all TorchRec trainer: logged, marked "not executed".
-
-An event is marked `executed` (and its reason says how) when the relaunch carrying it starts, or
-"not executed: <why>" when the supervisor or the master refused it. Executions are paced: at most
-one every `OptimizerConfig.interval_s` (stage 2's own pacing), stage 3 relaunches likewise.
-Locally a memory action halves the micro-batch instead of raising memory: the controller then books
-the event's memory as the plan's (it cannot see the activations' share) and never accumulates beyond
-`max_grad_accumulation`.
+A `Scaler` for run_training_job's supervisor: every poll it builds an `Observation` from the job master's state
+and the backend, asks stage 3 (`InstabilityStage`), then stage 2 (`RuntimeStage`), and turns the first executable
+decision into a `supervisor.Rescale`; decisions about parameter servers are logged as "not executed". Design and
+which decision becomes which relaunch: docs/fault_tolerance.md#dlrover-rm-decisions-while-the-job-runs.
 """
 from __future__ import annotations
 

@@ -1,20 +1,9 @@
 """Failover policy (DLRover `_should_relaunch`): relaunch a failed worker group or give up, and how.
 
-Workers record their exception (`record_exception`, called by recforge.worker) as
-`<failures_dir>/gen<g>-rank<r>.json`; the supervisor turns a failed launch into a `Failure` and asks
-`FailoverPolicy.decide`:
-
-* the restart budget (`max_relaunches`, counting torchrun's own restarts too) is spent -> give up;
-* a deterministic code error: the same exception type at the same place (innermost frame, message
-  with numbers blanked) as an earlier failure of this job -> give up at once (relaunching cannot help);
-* out of memory: locally, relaunch with twice the gradient accumulation (half the per-rank batch,
-  same global batch); on Kubernetes, relaunch with `memory_growth` times the memory;
-* a hang (no training progress for `hang_timeout_s` once a worker of the group has joined, or no
-  worker joining within `startup_timeout_s`; the supervisor kills the group) -> relaunch;
-* anything else (a killed process, a lost peer, a one-off error) -> relaunch.
-
-Errors raised by torch.distributed because a *peer* died (gloo "connection closed", timeouts) are
-collateral: they are recorded but never taken as the failure's signature.
+Workers record their exception (`record_exception`) as `<failures_dir>/gen<g>-rank<r>.json`; the supervisor
+turns a failed launch into a `Failure` and asks `FailoverPolicy.decide`: give up on a deterministic code error
+(the same exception at the same place twice) or a spent restart budget, else relaunch, after out-of-memory with
+more gradient accumulation or more memory. Design: docs/fault_tolerance.md#the-failover-policy.
 """
 from __future__ import annotations
 

@@ -1,30 +1,19 @@
-"""The job master: one HTTP service per training job handing out data-shard tasks.
+"""The job master: one HTTP service per training job handing out data-shard tasks (recforge.elastic.master.tasks).
 
-A FastAPI app served by uvicorn in a background thread on 127.0.0.1 (a free port unless one is
-given). Every call first takes back expired leases (and a periodic thread does the same), then acts
-on the `TaskQueue` under one lock. After every change the queue and the per-worker statistics are
-written atomically (temp file + os.replace) to `state_file`; a master started on an existing state
-file resumes from it (same shards, task size and epochs, or it refuses).
-
-Endpoints (JSON bodies; `generation` is the worker's launch generation, see TaskQueue.observe_generation):
-  POST /lease      {worker_id, epoch?, generation, request_id?} -> {action, task?, epoch, epochs, finished}
-  POST /done       {worker_id, task_id, samples, generation}   -> {accepted, status}
-  POST /release    {worker_id, task_id, rows_consumed, generation} -> {accepted, status}
-  POST /heartbeat  {worker_id, step, generation}                -> {renewed}
-  POST /recover    {worker_id?}                                  -> {requeued, poisoned}
-  GET  /state      -> queue summary + workers
-Recovery and elasticity (recforge.train.recovery.resume, recforge.elastic.master.supervisor):
-  POST /join       {worker_id, generation}                       -> queue summary (registers the worker)
-  POST /snapshot   {worker_id, generation, progress}             -> data state for a checkpoint (no change)
-  POST /restore    {worker_id, generation, state?, reason}       -> queue rolled back to a checkpoint's data state
-  POST /scale      {workers, reason}                             -> {workers} (a pending scale request)
-  POST /command    {worker_id, generation}                       -> {command: continue | stop, reason}
-
-Bad input is rejected and changes nothing: done / release / heartbeat from a worker id that never
-leased or joined (404), any call carrying a launch generation older than the master's (409: that
-worker belongs to a group that was replaced), a scale request outside [1, max_workers] (422).
-A heartbeat may name the leases the worker believes it holds; those that expired meanwhile come back
-in `lost` (renewing them is refused: their rows may already be someone else's).
+Endpoints (JSON bodies; `generation` is the caller's launch generation; a refused call changes nothing and answers
+404 for an unknown worker, 409 for an older generation, 422 for a scale outside [1, max_workers]):
+  POST /lease      {worker_id, epoch?, generation, request_id?}     -> {action, task?, epoch, epochs, finished}
+  POST /done       {worker_id, task_id, samples, generation}        -> {accepted, status}
+  POST /release    {worker_id, task_id, rows_consumed, generation}  -> {accepted, status}
+  POST /heartbeat  {worker_id, step, generation, held?}             -> {renewed, lost}
+  POST /join       {worker_id, generation}                          -> queue summary (registers the worker)
+  POST /snapshot   {worker_id, generation, progress}                -> data state for a checkpoint (no change)
+  POST /restore    {worker_id, generation, state?, reason}          -> queue rolled back to a checkpoint's data state
+  POST /scale      {workers, reason}                                -> {workers} (a pending scale request)
+  POST /command    {worker_id, generation}                          -> {command: continue | stop, reason}
+  POST /recover    {worker_id?}                                     -> {requeued, poisoned}
+  GET  /state                                                       -> queue summary + workers
+Persistence, lease expiry, epochs and generations: docs/fault_tolerance.md#data-shard-tasks.
 """
 from __future__ import annotations
 

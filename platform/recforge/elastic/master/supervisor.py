@@ -1,23 +1,10 @@
 """The job supervisor: launch the worker group, watch it, relaunch it, rescale it.
 
-One loop per job (in run_training_job, next to the job master): every launch gets a fresh launch
-generation base (so the master locks out older groups) and a freshly written worker spec. While a
-group runs, the supervisor watches for a hang (no training progress at the master for
-`FailoverPolicy.hang_timeout_s`: the group is killed), for a scale decision (`scaler`, e.g. the
-DLRover-RM runtime stage, or a POST /scale to the master) and for the overall timeout. When the group
-exits:
-* finished (the master handed out every row of every epoch): done;
-* exit 0 with a pending scale request (the group checkpointed and stopped): relaunch at the new size;
-  the new group loads the checkpoint resharded. A scaler may return a `Rescale` instead of a worker
-  count: new threads per worker, a halved per-rank micro-batch (gradient accumulation: the local
-  answer to predicted memory exhaustion), more pod memory (Kubernetes), a relaunch at the same size
-  (replacing a straggler), or an immediate relaunch (a group whose pods never left Pending: nothing
-  to checkpoint, it is killed and relaunched smaller). The scaler sees the master's state plus
-  `state["launch"]`: seconds since the launch, seconds pending, the workers' resident memory and the
-  gradient accumulation, as far as the backend can tell (`pending_s`, `worker_memory`);
-* failed: the flash agent persists what is in shared memory, the failure (worker exception records,
-  exit code, hang) goes to the FailoverPolicy: relaunch (maybe with more gradient accumulation or
-  memory) or give up with a JobFailedError naming the reason and the progress kept.
+One loop per job, next to the job master (run_training_job). Every launch gets a fresh launch-generation base
+and worker spec; while the group runs, the supervisor watches for a hang, a scale decision (`scaler`, or POST
+/scale to the master) and the overall timeout. When the group exits the job is done, relaunched at a new size or
+shape (a `Rescale`), relaunched after a failure as the `FailoverPolicy` decides, or given up with a
+JobFailedError naming the reason. Design: docs/fault_tolerance.md#the-supervisor.
 """
 from __future__ import annotations
 

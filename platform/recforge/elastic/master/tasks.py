@@ -1,20 +1,10 @@
 """Dynamic data sharding (DLRover-RM section 5): the job master's task queue, pure logic, no I/O.
 
-Every epoch the data (a list of shards with known row counts) is cut into tasks of at most
-`rows_per_task` rows that never span two shards. A task moves TODO -> DOING (a lease: worker id,
-deadline, launch generation) -> DONE. Guarantee: at-least-once per row. A lease that expires, or
-whose holder belonged to an older launch generation, goes back to TODO and counts as a retry; the
-`max_retries`-th such failure quarantines the task as POISON instead (reported, never handed out
-again). A worker that stops early `release`s its task: the consumed prefix counts as DONE and the
-rest becomes a new TODO task. When every task of the epoch is DONE (or POISON) the next epoch's
-tasks are created; after the last epoch the queue is `finished`.
-
-Tasks are handed out in a deterministic order: (shard, row_start), or, with `shuffle_seed`, a
-seeded per-epoch permutation of the tasks (a remainder created by `release` keeps its parent's
-place). Time is passed in (`now`, seconds, wall clock so that deadlines survive persistence).
-
-`request()` is the decision the master makes for a worker's lease call; see `Grant` for the four
-answers and `recforge.elastic.agent.client.MasterClient.lease` for how a worker uses them.
+Every epoch the shards are cut into tasks of at most `rows_per_task` rows; a task moves TODO -> DOING (a lease)
+-> DONE, at least once per row: an expired lease, or one of an older launch generation, goes back to TODO as a
+retry, and the `max_retries`-th such failure quarantines the task as POISON. Time is passed in (`now`, wall-clock
+seconds, so that deadlines survive persistence). `request()` decides a lease call; `Grant` lists its four answers.
+Design: docs/fault_tolerance.md#data-shard-tasks.
 """
 from __future__ import annotations
 

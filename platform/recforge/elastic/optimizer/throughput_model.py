@@ -1,20 +1,9 @@
 """Resource-performance model: a job's throughput as a function of its resources (DLRover-RM §3).
 
-The model is linear in its non-negative coefficients and predicts the time of one training step
-(every worker processes one batch of B samples):
-
     T_step(a) = sum_k c_k * term_k(a),  c_k >= 0      throughput(a) = workers * B / T_step(a)
 
-`TERMS` holds the candidate terms: worker compute B/cpu, per-sample work that threads do not speed
-up, collective/fan-out costs in the number of workers, CPU oversubscription of a shared host, and for
-parameter-server jobs the server-side load (w/p)*B/cpu_p, w/p and p. `select_terms` picks a subset by
-leave-one-configuration-out error on measured points; `fit` solves the non-negative least squares
-problem with scipy.optimize.nnls on relative residuals (each row divided by its measured step time),
-reweighted so the fit minimises relative throughput error, the quantity MAPE reports.
-
-`OnlineThroughputModel` refits as samples arrive, pulled towards a prior model (a warm start from
-history, or defaults) with a penalty that the data outweighs as points accumulate; with fewer
-distinct configurations than `min_points` it keeps the prior and says so (`status`).
+`TERMS` are the candidate terms, `select_terms` picks a subset, `fit` solves NNLS on relative error, and
+`OnlineThroughputModel` refits as the job runs, pulled towards a prior. Design: docs/dlrover_rm.md#the-throughput-model.
 """
 from __future__ import annotations
 

@@ -1,30 +1,9 @@
 """Synthetic trace of DLRM training jobs (asynchronous parameter-server style, like AntGroup's).
 
-Every number below is a parameter of `TraceParams`; the defaults and why:
-
-- arrivals: Poisson over `arrival_window_h` hours. With 1,000 jobs in 48 h on 100 nodes x 32 cores,
-  the users' requests exceed the cluster at peak, so pods pend (a fault the paper handles) while
-  right-sized jobs fit.
-- scenarios: `n_scenarios` recurring jobs (a team's daily training of one model on one data set),
-  picked Zipf-like (`scenario_zipf`): DLRover-RM's stage 1 matches a job to earlier runs of its scenario.
-  Within a scenario model size, data size and speed vary by `scenario_jitter` (+-10%) from run to run.
-- model families (`FAMILIES`): W&D, DeepFM, DCN, xDeepFM; they differ in worker compute, server load
-  and embedding size, in the ratios of the coefficients of the hidden ground truth (`truth.py`).
-- job length: samples = the throughput at the scenario's expert plan x a duration drawn log-normally
-  (median `duration_median_h`, sigma `duration_sigma`), so a well-configured job runs 20 min to ~10 h.
-- users' requests (`misconfig`): what the paper and DLRover's blogs list as typical. Each job draws one
-  kind; factors are relative to the expert plan:
-    over_provisioned   CPU per pod x2-4 and memory x2-4 (the most common: production CPU use was ~20%)
-    under_provisioned  half the workers and cores
-    too_few_servers    one server per 8-16 workers
-    low_memory         server memory between the need at start and at the end (OOM mid-run as
-                       embeddings grow)
-    reasonable         +-30% around the expert plan
-  On top, users pad every request by `user_padding` (they ask for more than they think they need).
-- faults: a straggling worker (`p_straggler`, x3-6 slower, starting at a random point), a hot server
-  (`p_hot_server`, carrying 1.5-3x the load of the others, from round-robin variable placement), node
-  evictions (`eviction_per_node_h`), OOM from embedding growth (`emb_growth` over the run).
-- requests are cut to the largest pod a node can hold (`max_pod_cpu`, `max_pod_memory_gib`).
+`generate_trace` draws jobs of recurring scenarios over four model families, each with a hidden ground truth
+(`truth.py`), a user's (often misconfigured) request and injected faults: stragglers, hot servers, node
+evictions, embedding growth. Every number is a field of `TraceParams`; the defaults and why:
+docs/dlrover_rm.md#the-simulated-trace.
 """
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
 """The fused executor: the compiled plan's groups in layer order, one `recforge::fused_*` call per group.
 
-A group whose members differ in form is split into one call per form: fill_null over dense raw columns, sparse
-raw columns and list columns; clamp / cast by value type; firstx / ngram over fixed-width and list values.
-RAP's plans give one call per group.
-
-Pruning (prune=True): over fixed-width rows, values no consumer reads are not computed. Each node's demand is the
-longest row prefix its consumers read (firstx(X) reads X; onehot one value; ngram(n) with demand d <= k reads d;
-elementwise ops pass demand through; a feature's output is read whole). onehot then writes only its first
-`demand` classes and an ngram whose first window covers its demand is a slice of its input. RAP's plans 2 and 3
-build 8- and 20-value rows (onehot -> ngram) and keep one value (firstx(1)): the results are the same.
-
-Single pass (single_pass=True, CPU with the C++ kernels): when every feature keeps one value per row and reads a
-scalar column, the groups run as one call that does each feature's whole chain per row tile (executors/chain.py);
-the values are the grouped kernels'. Otherwise (list columns in the batch, wider rows, CUDA) the groups run one by one.
+A group whose members differ in form is split into one call per form. `prune=True` skips values no consumer
+reads; `single_pass=True` (CPU, C++ kernels) runs every feature's whole chain in one call when each keeps one
+value per row. Both give the grouped kernels' values. Design: docs/rap.md#the-fusion-milp-and-the-fused-executor.
 """
 from __future__ import annotations
 

@@ -1,20 +1,9 @@
 """RAP's layer assignment as a mixed-integer linear program, solved by HiGHS through scipy.optimize.milp.
 
-RAP (utils/MILP_solver.py, Gurobi) maximizes sum_{t,l} n_{t,l}^2 over binary x_{v,l} (node v in layer l) with
-n_{t,l} = sum_{v of type t} x_{v,l}, one layer per node and layer(v) >= layer(parent) + 1. Two exact
-reductions keep the program small enough to solve in well under a second for RAP's plans:
-
-* Identical trees share one assignment. Trees (one per source column and class) with the same shape of op types
-  are copies; give copy i the assignment A_i and the objective is a sum of squares of counts, so for two copies
-  f(A, A) + f(B, B) - 2 f(A, B) = 2 * sum (e_A - e_B)^2 >= 0: moving both copies to the better of A and B never
-  loses. Each distinct tree (a template) is solved once with weight m = its number of copies.
-* The square is linearized exactly. With binaries, (sum_v m_v x_v)^2 = sum_v m_v^2 x_v + 2 sum_{u<v} m_u m_v
-  x_u x_v; each product x_u x_v becomes a variable y <= x_u, y <= x_v (maximizing, so y = min(x_u, x_v) at an
-  optimum; y may stay continuous). Pairs that can never share a layer (one above the other on a chain) are
-  dropped, and every node's layers are limited to [depth, L - 1 - height].
-
-A tie-break of -eps * layer (eps * sum of all layers < 1, below one unit of the integer objective) makes the
-optimum canonical: among the best assignments, the one with the earliest layers.
+Maximizes the sum over op type t and layer l of n_{t,l}^2 (RAP's objective: same-type ops share fused launches),
+one layer per node, each after its parent. Identical trees are solved once, the square is linearized exactly, and
+a tie-break picks the optimum with the earliest layers.
+Design: docs/rap.md#the-fusion-milp-and-the-fused-executor.
 """
 from __future__ import annotations
 

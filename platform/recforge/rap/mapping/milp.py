@@ -1,18 +1,9 @@
 """Where tables live and where their preprocessing runs (RAP §3.1), chosen jointly by a MILP (beyond the artifact).
 
-RAP's mapping: a sparse feature is preprocessed on the worker that owns its embedding table, over the global
-batch, so training skips the input all-to-all of sparse ids; dense features are preprocessed data-parallel on
-every worker (local batch). The artifact takes torchrec's table placement as given. Here a MILP
-(scipy.optimize.milp, HiGHS) picks, per table, one placement torchrec accepts and minimizes the largest per-rank
-
-    step_r = base + embedding work_r + unhidden preprocessing_r,   unhidden_r = max(0, preprocessing_r - capacity_r)
-
-Placements (`candidate_placements`): table_wise on rank r (preprocessed there, global batch); column_wise over all
-ranks when the dimension splits into equal shards of a multiple of 4 columns (every shard rank needs all ids:
-each preprocesses the global batch itself); data_parallel (every rank looks up and preprocesses its local batch,
-then all-reduces the table's gradient). Costs are linear in the work (MappingCosts), as torchrec's planner
-estimates them; the fused kernels' launch cost is per group, not per feature, so it is left in `dense_prep_ms`
-(a per-rank constant) and each feature costs its marginal time.
+A sparse feature is preprocessed on the rank that owns its table, over the global batch, so training skips the
+input all-to-all of ids; dense features are preprocessed data-parallel. A MILP (HiGHS) picks one TorchRec
+placement per table to minimize the slowest rank's predicted step. Design: docs/rap.md#the-mapping-milp; its
+costs: docs/rap.md#where-the-mapping-milps-costs-come-from.
 """
 from __future__ import annotations
 

@@ -1,27 +1,8 @@
 """The co-run schedule as data: which fused kernels (or parts of them) run in which training stage.
 
-Public API (stable; the co-run runtime depends on it)
------------------------------------------------------
-Assignment(stage, group, features, predicted_ms)   frozen dataclass
-    group     a fused group of the compiled plan, by `FusedGroup.name` ("L1:sigrid_hash_sparsex26"), the name the
-              fused executor's `describe()` lists.
-    features  plan feature names (graph.outputs keys) the assignment computes this group's op for: all of the
-              group's features (the whole kernel) or a subset (a split part). `group_features` gives them in
-              order; a split always keeps each node's features together (`split_units`).
-CorunSchedule(stages, assignments, plan_name, meta)
-    assignments are in execution order: stages in `stages` order, within a stage in list order.
-    .to_json() -> str / CorunSchedule.from_json(text) (ScheduleError naming the missing key)
-    .by_stage() -> {stage: [Assignment]} with every stage of `stages` present (possibly empty)
-    .validate(compiled) raises ScheduleError naming the plan, stage, group or feature that is wrong.
-executable_parts(compiled, schedule) -> [ExecPart(assignment, key, group)]
-    what the runtime runs, in execution order. `group` is a FusedGroup holding only the nodes of the
-    assignment's features; run it with `FusedExecutor.run_group(part.key, part.group, raw, vals)`.
-    IMPORTANT: the fused executor caches each group's kernel parameters under its first argument (gi), so a
-    split part must not reuse its whole group's index: `key` is the group's index in compiled.groups for a
-    whole group and len(compiled.groups) + assignment index for a part, so keys never collide.
-    Dense-class groups run over the local batch, sparse-class ones over the rows the worker preprocesses for
-    the tables it owns (recforge.rap.mapping.milp); the executor does not care which.
-restrict(compiled, group, features) -> FusedGroup   one part (ScheduleError when a node would be split).
+`CorunSchedule` (a JSON round trip, validated against a compiled plan) holds `Assignment`s in execution order;
+`executable_parts` turns them into the fused groups the co-run runtime runs. The runtime depends on this API.
+How the scheduler fills it: docs/rap.md#the-scheduler.
 """
 from __future__ import annotations
 
@@ -42,6 +23,13 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Assignment:
+    """One fused group, or a part of it, in one stage.
+
+    `group`: the group's `FusedGroup.name` ("L1:sigrid_hash_sparsex26"), as the fused executor's `describe()`
+    lists it. `features`: the plan features (graph.outputs keys) it computes the group's op for, all of the
+    group's (the whole kernel, in `group_features` order) or a subset (a split part, which keeps each node's
+    features together: `split_units`)."""
+
     stage: str
     group: str
     features: tuple[str, ...]
@@ -80,7 +68,8 @@ def _group(compiled: CompiledPlan, name: str) -> FusedGroup:
 
 
 def restrict(compiled: CompiledPlan, group: FusedGroup | str, features: Iterable[str]) -> FusedGroup:
-    """The part of `group` that computes `features`: the same layer/op/class with only their nodes."""
+    """The part of `group` that computes `features`: the same layer/op/class with only their nodes
+    (ScheduleError when that would split a node's features)."""
     g = _group(compiled, group) if isinstance(group, str) else group
     wanted = list(features)
     known = set(group_features(compiled, g))
@@ -104,6 +93,10 @@ def restrict(compiled: CompiledPlan, group: FusedGroup | str, features: Iterable
 
 @dataclass
 class CorunSchedule:
+    """Assignments in execution order: stages in `stages` order, within a stage in list order. `to_json` /
+    `from_json` round-trip it (ScheduleError naming a missing key); `by_stage()` has every stage of `stages`,
+    possibly empty; `validate(compiled)` raises ScheduleError naming the plan, stage, group or feature."""
+
     stages: tuple[str, ...]
     assignments: list[Assignment]
     plan_name: str
@@ -195,7 +188,14 @@ class CorunSchedule:
 
 
 def executable_parts(compiled: CompiledPlan, schedule: CorunSchedule) -> list[ExecPart]:
-    """The schedule's assignments as runnable fused groups, after validating it (see the module docstring)."""
+    """The schedule's assignments as runnable fused groups, in execution order, after validating it.
+
+    Run a part with `FusedExecutor.run_group(part.key, part.group, raw, vals)`; `part.group` holds only the nodes
+    of the assignment's features. The fused executor caches each group's kernel parameters under that first
+    argument, so a split part must not reuse its whole group's index: `key` is the group's index in
+    compiled.groups for a whole group and len(compiled.groups) + the assignment's index for a part. Dense-class
+    groups run over the local batch, sparse-class ones over the rows the worker preprocesses for the tables it
+    owns (recforge.rap.mapping.milp); the executor does not care which."""
     schedule.validate(compiled)
     index = {g.name: i for i, g in enumerate(compiled.groups)}
     parts = []

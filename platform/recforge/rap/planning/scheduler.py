@@ -1,19 +1,8 @@
 """RAP's co-run scheduler (§3.4): greedy fill of the training stages' spare capacity, splitting fused kernels.
 
-1. T = predicted time of all fused kernels (whole).
-2. Rank stages by capacity / duration (capacity intensity), take them in that order until their capacity
-   reaches T (all of them when it never does: `overflow`).
-3. Walk the taken stages in execution order, packing kernels in execution order while capacity remains. A
-   kernel that does not fit is split at the capacity edge: every split size k = 1..units-1 is tried (the
-   artifact's early `break` tries only units-1) and the largest prefix that fits goes in; the rest carries on.
-4. Kernels left over go into the last taken stage.
-A kernel's split units are its nodes (recforge.rap.planning.schedule.split_units); part costs come from the cost model
-with the part's own fusion degree, so a split pays its launch again. Packing whole prefixes in order and filling
-each stage as far as possible also maximizes the work placed within capacity among order-preserving packings
-(tests check that against exhaustive search).
-
-`mapped_rank_schedules` applies this to RAP's mapping: a rank's global job (the tables it holds, global batch)
-is scheduled first, then its local job (dense and data-parallel features, local batch) into what is left.
+Stages are taken by capacity per unit of time until they cover the predicted kernel time, then filled with the
+kernels in execution order; a kernel that does not fit is split at the capacity edge (every split size tried).
+`mapped_rank_schedules` does this for both jobs of a mapped rank. Design: docs/rap.md#the-scheduler.
 """
 from __future__ import annotations
 

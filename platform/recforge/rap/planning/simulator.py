@@ -1,20 +1,8 @@
 """Predicted iteration time of RAP and its baselines from stage profiles, the plan, the mapping and the cost model.
 
-Stage model (the one RAP's scheduler assumes): preprocessing work w co-running in stage s is hidden up to the
-stage's spare capacity C_s; the excess serializes, so the stage takes tau_s + max(0, w_s - C_s). Training is
-synchronous: the iteration is the slowest rank's. Methods (RAP's end-to-end + ablation baselines, docs/rap.md):
-
-  ideal           training alone on ready batches; no input all-to-all of ids.
-  sequential      every rank preprocesses all features of its local batch, one launch per op and feature,
-                  before the step; then the ids' input all-to-all.
-  cuda_stream     the same unfused data-parallel work on a side stream started with the step, not gated: it
-                  runs from emb_fwd on, taking as much of each stage as the stage lasts (no capacity awareness);
-                  what is left after the step serializes; plus the input all-to-all.
-  mps             the same work in another process sharing the GPU all step long: spread over the stages in
-                  proportion to their durations; plus the input all-to-all.
-  rap_no_mapping  fused kernels of all features over the local batch, scheduled into the stages; input all-to-all.
-  rap_no_fusion   RAP's mapping, one launch per op and feature, scheduled.
-  rap             RAP's mapping, fused kernels, scheduled (recforge.rap.planning.scheduler).
+Work co-running in a stage is hidden up to the stage's spare capacity and the excess serializes; the iteration is
+the slowest rank's. `METHODS` are RAP's end-to-end baselines and ablations (sequential, cuda_stream, mps,
+rap_no_mapping, rap_no_fusion, rap, ideal). What each models: docs/rap.md#the-simulator.
 """
 from __future__ import annotations
 

@@ -2,18 +2,9 @@
 
     profile = profile_job(cfg, plan, world_size, manifest_dir, threads=resources.threads_per_worker)
 
-The job's model (build_dlrm + shard_model, seeded as the worker seeds it), its optimizers and loss, on the job's
-first training batches (read from the train manifest and preprocessed by the job's executor, padded to the batch
-size, cycled), on as many ranks as the job has workers: world size 1 in this process (a single-rank group), more
-as that many processes (recforge.rap.profiling.profile_ranks), so the collectives and the workers' contention for the
-machine are in the measured stages. recforge.rap.profiling.profiler.StageProfiler (rank 0 leads; every rank co-runs the
-proxy where rank 0 puts it) measures the stage durations and grows RAP's proxy kernel (fused ngram) on a
-background thread with the co-run thread budget; each proxy size is compared with steps without it interleaved
-with its own (`paired`: the load of a shared machine drifts during the search).
-
-CPU_THRESHOLD is 10%, not RAP's 2% (on CUDA): a shared CPU's stage medians move by more than 2% from run to run.
-The proxy's size is capped (max_units); a stage that reaches the cap is listed in the meta's `capped_stages`.
-Measurements on a 2-core machine and the limits of these profiles: docs/known_limits.md.
+The job's own model, optimizers and first batches, on as many ranks as the job has workers (several as processes,
+recforge.rap.profiling.profile_ranks), so collectives and contention are in the measured stages.
+Design: docs/rap.md#the-stage-profiler; the CPU threshold and what 2 cores measure: docs/known_limits.md#rap.
 """
 from __future__ import annotations
 
@@ -51,7 +42,7 @@ from recforge.train.sharding import shard_model
 
 log = logging.getLogger(__name__)
 
-CPU_THRESHOLD = 0.10
+CPU_THRESHOLD = 0.10  # not RAP's 2%: a shared CPU's stage medians move by more than 2% from run to run
 CUDA_THRESHOLD = 0.02
 BATCHES = 4  # distinct first batches, cycled over the profiling steps
 STEPS_PER_POINT = 7

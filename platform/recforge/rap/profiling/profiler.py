@@ -1,18 +1,9 @@
 """Stage profiler (RAP §3.3b): how long each training stage takes and how much preprocessing it can hide.
 
-Durations come from a StageTracker over real training steps (medians). Spare capacity of a stage: a proxy fused
-kernel (RAP's: fused ngram, 4 features per unit, rows of 8 values -> 20, over the batch) is launched when the
-stage begins and waited for when it ends; its size grows (doubling, then bisection) until the stage's median
-time rises by more than `threshold` over the baseline (`paired=True`: over steps without the proxy interleaved
-with the size's own, for machines whose load drifts). The capacity is the largest size that stayed within it,
-in units and as the proxy's standalone time (ms), the quantity the scheduler compares kernel predictions with.
-
-On CPU the proxy runs on one background thread with its own torch thread budget (OpenMP's thread count is
-per calling thread), as the co-run runtime runs preprocessing. On CUDA it would be launched on a low-priority
-side stream (docs/known_limits.md lists what has not run on a GPU).
-
-Profiles are keyed by (model config incl. tables, world size, batch size, device), stored as JSON, logged to
-MLflow through recforge.tracking; `StageProfile.check` refuses a profile made for another job.
+Durations are medians over real steps (StageTracker); a stage's spare capacity is the largest proxy fused kernel
+(RAP's fused ngram) that runs alongside it without slowing it by more than `threshold`. Profiles are keyed by job
+(`StageProfile.check` refuses another job's), stored as JSON and logged to MLflow.
+Design: docs/rap.md#the-stage-profiler; not yet run on a GPU: docs/known_limits.md.
 """
 from __future__ import annotations
 

@@ -1,43 +1,8 @@
 """RAP's five stages of one training iteration, and a tracker that sees their boundaries through hooks.
 
-Public API (stable; the co-run runtime depends on it)
------------------------------------------------------
-STAGES = ("emb_fwd", "mlp_fwd", "mlp_bwd", "emb_bwd", "allreduce"), in execution order.
-
-tracker = StageTracker(model, on_enter=None, on_exit=None, cuda_events=None)
-    model: a torchrec DLRM / DLRM_DCN as built by recforge.train.model.build_dlrm, bare or wrapped in
-    DistributedModelParallel (recforge.train.sharding.shard_model). on_enter(stage) / on_exit(stage) are
-    called synchronously, in the order
-        on_enter(emb_fwd) on_exit(emb_fwd) on_enter(mlp_fwd) ... on_exit(allreduce)
-    once per training step. emb_fwd / mlp_fwd boundaries run in the training thread; mlp_bwd, emb_bwd and
-    allreduce ones inside the autograd engine (hooks; on CUDA its device thread): keep callbacks short and
-    non-blocking (set an event, record a CUDA event). An exception in a callback propagates into the step.
-    cuda_events: None = record torch.cuda.Event pairs when the model's parameters are on CUDA; False = never.
-tracker.step_begin()   optional; opens the step (enters emb_fwd) earlier than the model's forward, e.g. to
-                       count the input copy. Without it the model's forward pre-hook opens the step.
-tracker.step_end()     REQUIRED after the optimizer step (opt.step(); opt.zero_grad()): closes allreduce and
-                       returns the step's StepTiming. Hooks cannot see the optimizer. With gradient accumulation
-                       (several forward/backward per optimizer step) each micro-batch is a step: a forward (or
-                       step_begin) after a finished backward closes the previous one (its allreduce runs to there).
-tracker.detach()       removes every hook; the model is as before.
-tracker.steps          list[StepTiming] of the completed steps (StepTiming.ms: {stage: milliseconds}).
-tracker.stage          the stage the step is in now, or None between steps.
-
-So the trainer's step is:
-    tracker.step_begin()          # optional
-    logits = model(dense, kjt)    # hooks: emb_fwd -> mlp_fwd
-    loss = ...                    # still mlp_fwd
-    loss.backward()               # hooks: mlp_bwd -> emb_bwd -> allreduce
-    opt.step(); opt.zero_grad()   # allreduce
-    tracker.step_end()
-
-Where each boundary falls in torchrec's DLRM (dense_arch runs before sparse_arch; autograd interleaves the
-branches): docs/rap.md. emb_fwd starts at the model's forward (or step_begin), allreduce ends at step_end().
-A forward without grad (eval, torch.no_grad) or in eval mode is ignored. Boundaries out of order raise
-StageOrderError naming the stage.
-
-Timing: wall clock (time.perf_counter) always; with CUDA, also one torch.cuda.Event per boundary on the
-current stream, resolved at step_end (it synchronizes on the last event), and StepTiming.ms uses them.
+`STAGES` lists them in execution order; `StageTracker` calls back at every boundary and times every step. The
+co-run runtime and the stage profiler depend on this API. Where each boundary falls in TorchRec's DLRM:
+docs/rap.md#the-five-stages-in-torchrecs-dlrm.
 """
 from __future__ import annotations
 
@@ -85,6 +50,24 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class StageTracker:
+    """Hooks on a TorchRec DLRM / DLRM_DCN (bare or in DistributedModelParallel) that find RAP's stage boundaries.
+
+    `on_enter(stage)` / `on_exit(stage)` are called synchronously, once per stage and step, in STAGES order. The
+    emb_fwd / mlp_fwd boundaries run in the training thread, the others inside the autograd engine (on CUDA its
+    device thread): keep callbacks short and non-blocking (set an event, record a CUDA event); an exception in one
+    propagates into the step. `cuda_events`: None records torch.cuda.Event pairs when the model's parameters are
+    on CUDA, False never. `steps` holds the completed steps' StepTiming, `stage` the current stage (None between
+    steps). A forward without grad, or in eval mode, is ignored; a boundary out of order raises StageOrderError.
+    The trainer's step::
+
+        tracker.step_begin()          # optional
+        logits = model(dense, kjt)    # hooks: emb_fwd -> mlp_fwd
+        loss = ...                    # still mlp_fwd
+        loss.backward()               # hooks: mlp_bwd -> emb_bwd -> allreduce
+        opt.step(); opt.zero_grad()   # allreduce
+        tracker.step_end()
+    """
+
     def __init__(self, model: torch.nn.Module, on_enter: StageCallback | None = None,
                  on_exit: StageCallback | None = None, cuda_events: bool | None = None) -> None:
         self.model = _unwrap(model)
@@ -104,6 +87,8 @@ class StageTracker:
     # ----------------------------------------------------------------- trainer calls
 
     def step_begin(self) -> None:
+        """Open the step (enter emb_fwd) before the model's forward, e.g. to count the input copy. Optional: without
+        it the model's forward pre-hook opens the step."""
         if self.stage == STAGES[-1]:
             self.step_end()
         if self.stage is not None:
@@ -111,6 +96,9 @@ class StageTracker:
         self._enter(0)
 
     def step_end(self) -> StepTiming:
+        """Close allreduce and return the step's StepTiming. Required after the optimizer step: hooks cannot see
+        the optimizer. With gradient accumulation each micro-batch is a step: a forward (or step_begin) after a
+        finished backward closes the previous one. On CUDA it synchronizes on the step's last event."""
         if self.stage != STAGES[-1]:
             raise StageOrderError(f"step_end in stage {self.stage!r}: expected 'allreduce' (did backward run "
                                   "with this tracker attached?)")
@@ -125,6 +113,7 @@ class StageTracker:
         return timing
 
     def detach(self) -> None:
+        """Remove every hook; the model is as before."""
         for h in self._handles:
             h.remove()
         self._handles.clear()

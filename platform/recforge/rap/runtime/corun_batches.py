@@ -1,18 +1,8 @@
 """A rank's batches with RAP co-running: raw shard rows in, batch i+1 preprocessed while batch i trains.
 
-`CorunTaskBatches` is TaskBatches (same tasks, rows, padding, done reports, ledger) reading one batch ahead:
-handing out batch i it completes i's preprocessing (launched during step i-1) and launches i+1's, whose
-kernels then wait for step i's stage boundaries (recforge.rap.runtime.corun_runtime). `step_done()` runs in
-`trained()` (the trainer calls it right after the optimizer step): the co-run session closes the step's stages
-there, as the stage profiler does. `step_boundary()` runs first in every `next()` (closing the step there if no
-batch was reported trained) and times the whole iteration, from batch request to batch request.
-
-With gradient accumulation (k micro-batches per step) the trainer asks for all k before the step, so only the
-first one's kernels overlap the previous step's stages; the other k-1 complete at the request (inline).
-
-Reading ahead leases the next task before the last batch of the current one is trained. `progress()`
-therefore reports only the rows handed out to the trainer (not the batch read ahead), and drops a task
-once it is reported done, so a checkpoint's data state never counts rows the model has not seen.
+`CorunTaskBatches` is TaskBatches reading one batch ahead; its `progress()` counts only the rows handed out to the
+trainer, so a checkpoint's data state never includes the batch read ahead. Design: docs/rap.md#the-co-run-runtime;
+gradient accumulation: docs/known_limits.md#rap.
 """
 from __future__ import annotations
 

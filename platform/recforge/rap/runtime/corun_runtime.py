@@ -1,39 +1,12 @@
 """RAP runtime: a co-run schedule's fused kernels for batch i+1, launched at the stage boundaries of step i.
 
-    runtime = CorunRuntime(executor, schedule, device)        # executor: the plan's FusedExecutor
-    tracker = StageTracker(model, runtime.on_enter)           # recforge.rap.profiling.stages: opens the stage gates
-    pending = runtime.launch(padded_raw)                      # before step i: batch i+1's kernels wait for gates
-    ... step i runs; on_enter(stage) opens that stage's gate and its kernels start ...
-    dense, kjt = pending.result()                             # before step i+1: leftovers run now, then wait
+    runtime = CorunRuntime(executor, schedule, device)   # executor: the plan's FusedExecutor
+    tracker = StageTracker(model, runtime.on_enter)      # each stage boundary opens that stage's gate
+    pending = runtime.launch(padded_raw)                 # before step i: batch i+1's kernels wait for gates
+    dense, kjt = pending.result()                        # before step i+1: leftovers run now, then wait
 
-`result()` opens every gate the step did not open (a stage it never reached, or no step at all: the first
-batch), so the kernels of those stages are the leftovers completed before the next step starts. The output
-equals `executor(padded_raw)` bit for bit: the same kernels on the same values, only their start times move.
-
-Several jobs (RAP's mapping, recforge.rap.mapping.milp.split_rank_plan): a rank preprocesses the tables it holds over
-the global batch and its dense / data-parallel features over its local batch, two row sets and so two fused
-plans, each a job = (its own FusedExecutor, its schedule) over its own raw batch:
-
-    runtime = CorunRuntime(jobs=[(global_executor, global_schedule), (local_executor, local_schedule)],
-                           device=device, threads=1)           # keyword-only; runtime.jobs: tuple[CorunJob]
-    pending = runtime.launch_many([global_raw, local_raw])     # one raw batch per job, in job order
-    (_, global_kjt), (local_dense, local_kjt) = pending.results()   # one (dense, kjt) per job, in job order
-
-All jobs share the one co-run thread and the gates: at each stage gate it runs job 0's parts of that stage, then
-job 1's, and so on. Each job's output equals `job.executor(its raw)` bit for bit. Each schedule is validated
-against its own executor's compiled plan (ScheduleError naming the job and what is wrong); an executor may serve
-one job only, since its kernel caches are keyed by the part keys of its job (recforge.rap.planning.schedule). When a
-job's schedule meta gives `rows` (recforge.rap.planning.scheduler.mapped_rank_schedules does), its raw batch must have
-that many rows, which catches raw batches passed in the wrong order. A single-job runtime is
-`jobs=[(executor, schedule)]`; `runtime.executor` / `.schedule` / `.compiled` / `.parts`, `launch(raw)` and
-`Pending.result()` are for single-job runtimes only (they raise, naming `jobs` / `launch_many` / `results`, on a
-runtime with several jobs).
-`summary()` gives kernel time per stage summed over the jobs and the jobs' summed predicted kernel time.
-
-CPU (what CI runs): one background thread with its own intra-op thread budget (OpenMP's thread count is a
-per-thread setting; see `_pin_threads`). CUDA: the same thread enqueues each stage's kernels on a
-lowest-priority stream after waiting for a CUDA event recorded on the training stream at the stage's start;
-`result()` makes the training stream wait for that stream (docs/known_limits.md).
+The output equals `executor(padded_raw)` bit for bit; only the kernels' start times move. Several jobs per rank
+(RAP's mapping), CPU and CUDA: docs/rap.md#the-co-run-runtime.
 """
 from __future__ import annotations
 
@@ -163,8 +136,20 @@ class Pending:
 
 class CorunRuntime:
     """Runs each job's schedule (validated against its executor's compiled plan here, so a bad schedule fails
-    before training): `CorunRuntime(executor, schedule, device, threads)` for one job, or
-    `CorunRuntime(jobs=[(executor, schedule), ...], device=..., threads=...)` (see the module docstring)."""
+    before training, with a ScheduleError naming the job and what is wrong).
+
+    One job: `CorunRuntime(executor, schedule, device, threads)`; `launch(raw)`, `Pending.result()` and the
+    `executor` / `schedule` / `compiled` / `parts` views work on single-job runtimes only (otherwise they raise,
+    naming `jobs` / `launch_many` / `results`). Several jobs (keyword-only; each job its own executor):
+
+        runtime = CorunRuntime(jobs=[(global_executor, global_schedule), (local_executor, local_schedule)],
+                               device=device, threads=1)
+        pending = runtime.launch_many([global_raw, local_raw])          # one raw batch per job, in job order
+        (_, global_kjt), (local_dense, local_kjt) = pending.results()   # one (dense, kjt) per job
+
+    At each stage gate the co-run thread runs job 0's parts of that stage, then job 1's, and so on; each job's
+    output equals `job.executor(its raw)` bit for bit. A job whose schedule meta gives `rows` needs a raw batch
+    of that many rows. `summary()` sums kernel time per stage, and predicted kernel time, over the jobs."""
 
     def __init__(self, executor=None, schedule: CorunSchedule | None = None, device: torch.device | str = "cpu",
                  threads: int = 1, *, jobs: Sequence[CorunJob | tuple[Any, CorunSchedule]] | None = None) -> None:

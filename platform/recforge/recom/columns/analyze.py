@@ -1,20 +1,9 @@
 """Read each column's ATen subgraph into a ColumnProgram, by abstract interpretation.
 
-Every node of a column gets an abstract value saying what it holds in terms of the raw inputs: a stream
-of per-element values (source input + the steps applied so far + the index space it runs over), a
-condition on such a stream, segment ids, per-row counts, gathered rows, a pooled lookup... Each supported
-ATen op has a transfer rule (``_RULES``); an op without one, or with arguments outside the rule's cases,
-makes the column unsupported with the reason (it then stays in the residual graph, run as captured).
-
-What is recognized, in RECom's terms (paper §2.1, §5):
-* translation: bucketize, floor-mod, sigrid_hash (strings as fingerprints), clamp, add, a null-mask select;
-* filters: ``where(cond(x), x, c)`` / ``masked_fill`` (Replace), ``x[cond(x)]`` / padding_idx (Remove),
-  with conditions built from comparisons against constants and ``& | ~``;
-* lookups: ``embedding`` (gather), ``embedding_bag`` over offsets (pool), and TensorFlow's
-  ``safe_embedding_lookup_sparse`` spelled in torch (segment ids from lengths, prune, fill empty rows,
-  unique, gather, ``index_add`` segment sum, divide by counts, zero the empty rows);
-* layouts: 1-D inputs, columns of 2-D inputs (grouped preprocessing), views that keep element order.
-The analysis records everything, redundant filters included; ``passes.py`` removes what is implied.
+Every node gets an abstract value in terms of the raw inputs through one transfer rule per supported ATen op
+(``_RULES``); an op without one makes the column unsupported with the reason (it then stays in the residual
+graph, run as captured). Everything is recorded, redundant filters included; ``passes.py`` removes what is
+implied. What is recognized: docs/recom.md#column-analysis.
 """
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
 """Capture: torch.export of an inference module to an ATen graph with a dynamic batch and dynamic lengths.
 
-Every tensor input whose dim 0 equals the batch size (the most common dim-0 size among the inputs) gets the
-shared ``batch`` Dim; every other tensor input (a jagged column's values) gets a Dim of its own. Pass
-``dynamic_shapes`` to say it yourself when an example could be ambiguous (a values tensor exactly as long
-as the batch). Dims of size 0 or 1 would be specialized by torch.export, so the example batch is tiled to
-2 rows when it has fewer (batch-major inputs only), and a too-short jagged input is an error.
-
-Export settings, for models with a thousand columns (1 thread; together they take the 1,000-column family
-layer's export from 39 to 27 CPU seconds, the same graph and range constraints):
-* size-oblivious reasoning for backed size symbols (``size_oblivious=True``,
-  torch.fx.experimental._config.backed_size_oblivious): a framework check such as "is this dim 1?" is answered
-  for every size at once instead of through a guard proven on the ShapeEnv (SymPy), which most of the
-  per-op cost was. A model whose own code branches on such a size still fails to export (constraint
-  violation), and ``compile`` checks one row against eager;
-* no fake-tensor dispatch cache: columns of distinct table and boundary sizes mostly miss it, and building
-  its entries cost more than its hits saved (about 25% of export's CPU time at 200 columns);
-* no Python stack trace per node (nothing here reads them; about 5%).
+Batch-major inputs share one ``batch`` Dim and every other tensor input (a jagged column's values) gets its own;
+``dynamic_shapes`` says it explicitly when an example is ambiguous. The export settings here keep the export of a
+model with a thousand columns affordable. Design and measurements: docs/recom.md#capture.
 """
 from __future__ import annotations
 
