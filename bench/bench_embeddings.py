@@ -70,7 +70,7 @@ def make_batches(tables, num_dense, batch_size, n, seed):
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
     _quiet()
     from recforge.config import ModelConfig, TrainConfig, criteo_kaggle_dataset
-    from recforge.train.loss import step_loss
+    from recforge.train.loop.loss import step_loss
     from recforge.train.model import build_dlrm
     from recforge.train.sharding import shard_model
 

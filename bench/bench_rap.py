@@ -5,7 +5,7 @@
   corun    RAP: batch i+1's fused kernels run on the co-run thread, launched at the stage boundaries of step i
            (recforge.rap.runtime.corun_runtime), leftovers finished before step i+1
 
-One process, one single-rank gloo group, the real trainer (recforge.train.loop.train_epoch over TaskBatches /
+One process, one single-rank gloo group, the real trainer (recforge.train.loop.step_loop.train_epoch over TaskBatches /
 CorunTaskBatches, a fixed task list standing in for the job master). The raw rows of each task are read from the
 Parquet shards once, before timing, and served from memory (`--read-in-loop` reads them inside the loop instead),
 so the variants differ only in preprocessing; the read cost per batch is reported on its own. Fixed thread
@@ -48,8 +48,8 @@ from recforge.preprocess.synth import random_raw_batch
 from recforge.rap.planning.schedule import CorunSchedule, whole_kernel_schedule
 from recforge.rap.runtime.corun_batches import CorunTaskBatches, PreprocessedBatches
 from recforge.rap.runtime.session import CorunSession
-from recforge.train.batches import TaskBatches, slice_raw
-from recforge.train.loop import LoopState, train_epoch
+from recforge.train.loop.batches import TaskBatches, slice_raw
+from recforge.train.loop.step_loop import LoopState, train_epoch
 from recforge.train.model import build_dlrm
 from recforge.train.sharding import shard_model
 

@@ -49,9 +49,9 @@ from recforge.rap.mapping.milp import from_torchrec, split_rank_plan
 from recforge.rap.planning.schedule import whole_kernel_schedule
 from recforge.rap.runtime.corun_batches import CorunBatch, CorunReadAhead
 from recforge.rap.runtime.session import CorunSession
-from recforge.train.batches import Batch, slice_raw
 from recforge.train.distributed import free_port
-from recforge.train.loop import LoopState, train_epoch
+from recforge.train.loop.batches import Batch, slice_raw
+from recforge.train.loop.step_loop import LoopState, train_epoch
 from recforge.train.model import build_dlrm
 from recforge.train.sharding import shard_model
 

@@ -144,8 +144,8 @@ def _sharding_worker(rank: int, port: int, master_urls: list[str], data_root: st
     from recforge.elastic.master.tasks import TaskQueue
     from recforge.preprocess.executor import TorchExecutor
     from recforge.preprocess.planning.plan import Plan
-    from recforge.train.batches import TaskBatches, empty
-    from recforge.train.loop import Heartbeat, LoopState, train_epoch
+    from recforge.train.loop.batches import TaskBatches, empty
+    from recforge.train.loop.step_loop import Heartbeat, LoopState, train_epoch
     from recforge.train.model import build_dlrm
     from recforge.train.sharding import shard_model
 

@@ -38,7 +38,7 @@ def _build(world, fused=True, sharding="auto"):
 
 def _step(sm, rank, world, step):
     """One exact global step over rows [8*step, 8*step + 8), split evenly over the ranks."""
-    from recforge.train.loss import step_loss
+    from recforge.train.loop.loss import step_loss
 
     dense, ids, labels = _data(n=64)
     per = STEP_ROWS // world
@@ -185,7 +185,7 @@ class ListSource:
 
 
 def _batches(micro, rows=16):
-    from recforge.train.batches import Batch
+    from recforge.train.loop.batches import Batch
 
     dense, ids, labels = _data(n=64)
     return [Batch(dense=dense[a:a + micro], sparse=_kjt(ids[a:a + micro]), labels=labels[a:a + micro],
@@ -194,8 +194,8 @@ def _batches(micro, rows=16):
 
 def test_accumulated_micro_batches_equal_one_step_on_the_whole_batch(world1):
     """Plain (data_parallel) kernels: 2 x 4 rows with accumulation == 1 x 8 rows, step for step."""
-    from recforge.train.accumulate import train_epoch_accumulated
-    from recforge.train.loop import LoopState, train_epoch
+    from recforge.train.loop.accumulate import train_epoch_accumulated
+    from recforge.train.loop.step_loop import LoopState, train_epoch
 
     ref = _build(1, fused=False, sharding="data_parallel")
     empty8 = _batches(8)[0]

@@ -1,7 +1,7 @@
 """Fault injection on the local backend with the real TorchRec worker (2 gloo ranks on CPU).
 
 Every job trains a small DLRM on generated Criteo-like data and keeps a per-sample ledger
-(recforge.train.ledger). The guarantee checked after each failure: the final model's lineage holds
+(recforge.train.loop.ledger). The guarantee checked after each failure: the final model's lineage holds
 every row of the epoch exactly once, every row was trained at least once, and the rows trained more
 than once are only those a failed group trained after the checkpoint that was resumed.
 """
@@ -90,7 +90,7 @@ def auc(data, run: Path) -> float:
 def check_guarantee(data, run: Path, max_redone_steps: int | None = None):
     """Lineage exactly once, trained at least once, extra training only after a resumed checkpoint."""
     from recforge.data.manifest import Manifest
-    from recforge.train.ledger import audit
+    from recforge.train.loop.ledger import audit
 
     manifest = Manifest.load(data["root"] / "train")
     expected = {(0, s, r) for s, info in enumerate(manifest.shards) for r in range(info.rows)}

@@ -15,13 +15,13 @@ ROWS = 8000
 def test_dlrover_daily_run_rescales_during_training_and_logs_its_decisions(recforge_home):
     from recforge.data.manifest import Manifest
     from recforge.pipelines.context import RunContext
-    from recforge.pipelines.data_stages import generate, ingest
     from recforge.pipelines.outputs import IngestOutputs
-    from recforge.pipelines.plan_stage import plan_resources
-    from recforge.pipelines.train_stage import train
+    from recforge.pipelines.stages.data import generate, ingest
+    from recforge.pipelines.stages.plan import plan_resources
+    from recforge.pipelines.stages.train import train
     from recforge.tracking import TrackingStore
     from recforge.tracking.resource_models import load_resource_model, registered_name
-    from recforge.train.ledger import audit
+    from recforge.train.loop.ledger import audit
 
     # 2 workers requested on a 2-core budget; this machine's committed profile says one worker is faster
     # at batch 64 (the all-to-all costs more than the second core gives), so stage 2 shrinks the group

@@ -2,9 +2,9 @@
 import json
 
 from recforge.pipelines.context import RunContext
-from recforge.pipelines.data_stages import generate, ingest
 from recforge.pipelines.outputs import IngestOutputs
-from recforge.pipelines.plan_stage import plan_resources
+from recforge.pipelines.stages.data import generate, ingest
+from recforge.pipelines.stages.plan import plan_resources
 from recforge.tracking import TrackingStore
 
 

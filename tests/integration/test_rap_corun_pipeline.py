@@ -10,9 +10,9 @@ import torch
 
 from recforge.config import ModelConfig
 from recforge.pipelines.context import RunContext
-from recforge.pipelines.data_stages import generate, ingest
-from recforge.pipelines.plan_stage import plan_resources
-from recforge.pipelines.train_stage import train
+from recforge.pipelines.stages.data import generate, ingest
+from recforge.pipelines.stages.plan import plan_resources
+from recforge.pipelines.stages.train import train
 from recforge.rap.profiling.profiler import ProfileKey, StageProfile
 from recforge.rap.profiling.stages import STAGES
 from recforge.tracking import TrackingStore

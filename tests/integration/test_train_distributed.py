@@ -69,7 +69,7 @@ def _step_worker(rank, world, port, out_dir):
     import torch.distributed as dist
 
     from recforge.config import TrainConfig
-    from recforge.train.loss import step_loss
+    from recforge.train.loop.loss import step_loss
     from recforge.train.model import build_dlrm
     from recforge.train.sharding import shard_model
 

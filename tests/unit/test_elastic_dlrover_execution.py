@@ -12,7 +12,7 @@ from recforge.elastic.master.dlrover_scaler import DLRoverScaler, scaler_from_st
 from recforge.elastic.master.supervisor import Rescale
 from recforge.elastic.optimizer import DLRoverPolicy, GiB, JobLimits, OptimizerConfig, ResourceLimitError
 from recforge.elastic.policy import JobInfo, ResourcePlan, StaticPolicy
-from recforge.pipelines.resource_planning import pipeline_limits, pipeline_plan
+from recforge.pipelines.hooks.resource_planning import pipeline_limits, pipeline_plan
 from test_elastic_local import SHARDS, stub_backend, stub_spec
 
 LIMITS = JobLimits(cpu=2.0, memory=64 * GiB, max_cpu_per_worker=2.0)

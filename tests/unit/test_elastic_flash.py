@@ -12,7 +12,7 @@ import time
 import pytest
 
 from recforge.elastic.agent.flash_checkpoint import FlashPersister
-from recforge.train.ledger import Ledger, audit
+from recforge.train.loop.ledger import Ledger, audit
 from recforge.train.recovery.layout import (
     CHECKSUMS_FILE,
     META_FILE,

@@ -11,7 +11,7 @@ from recforge.elastic.optimizer.memory_model import GiB
 from recforge.elastic.optimizer.plans import JobDescription, JobLimits, PodPlan
 from recforge.elastic.optimizer.throughput_model import Allocation, ThroughputModel, load_profile
 from recforge.elastic.optimizer.warm_start import history_points, local_default_model, warm_start
-from recforge.pipelines.resource_planning import pipeline_plan, recommend_after_run
+from recforge.pipelines.hooks.resource_planning import pipeline_plan, recommend_after_run
 
 TABLES = [("C1", 1000), ("C2", 50_000)]
 TRUE = ThroughputModel(("const", "b_per_cpu", "w"), (0.01, 2e-4, 0.003))

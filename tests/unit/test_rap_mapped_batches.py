@@ -100,8 +100,8 @@ def _worker(rank, port, manifest_dir, out_dir):
     from recforge.rap.mapping.mapped_input import MappedInput
     from recforge.rap.mapping.milp import from_torchrec, split_rank_plan
     from recforge.rap.runtime.session import CorunSession
-    from recforge.train.batches import Batch, empty
-    from recforge.train.loop import LoopState, train_epoch
+    from recforge.train.loop.batches import Batch, empty
+    from recforge.train.loop.step_loop import LoopState, train_epoch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

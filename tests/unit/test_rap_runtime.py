@@ -26,8 +26,8 @@ from recforge.rap.runtime.corun_batches import PreprocessedBatches
 from recforge.rap.runtime.corun_runtime import CorunConfigError, CorunRuntime
 from recforge.rap.runtime.offline import OfflineError, OfflineTaskBatches, preprocess_manifest
 from recforge.rap.runtime.session import CorunSession
-from recforge.train.batches import TaskBatches
-from recforge.train.loop import LoopState, train_epoch
+from recforge.train.loop.batches import TaskBatches
+from recforge.train.loop.step_loop import LoopState, train_epoch
 from recforge.train.model import build_dlrm
 from recforge.train.sharding import shard_model
 

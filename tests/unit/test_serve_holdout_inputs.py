@@ -10,7 +10,7 @@ from recforge.data import generate_days, ingest
 from recforge.data.shards import read_rows
 from recforge.pipelines.context import RunContext, StageWriter
 from recforge.pipelines.outputs import IngestOutputs, SplitOutputs
-from recforge.pipelines.serve_stages import _holdout_inputs
+from recforge.pipelines.stages.serve import _holdout_inputs
 from recforge.preprocess.batch import RawBatch
 
 

@@ -13,7 +13,7 @@ from recforge.elastic.master.tasks import Task
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.executor import TorchExecutor
 from recforge.preprocess.planning.plan import criteo_plan
-from recforge.train.batches import TaskBatches, empty
+from recforge.train.loop.batches import TaskBatches, empty
 
 DS = DatasetConfig(
     name="tiny",

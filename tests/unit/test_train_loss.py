@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recforge.config import ModelConfig
-from recforge.train.loss import step_loss, weighted_bce_sum
+from recforge.train.loop.loss import step_loss, weighted_bce_sum
 from recforge.train.model import build_dlrm
 
 TABLES = [("C1", 30), ("C2", 11)]

@@ -81,7 +81,7 @@ def _mix_worker(rank, world, port, out_dir):
     import torch.distributed as dist
 
     from recforge.config import TrainConfig
-    from recforge.train.loss import step_loss
+    from recforge.train.loop.loss import step_loss
     from recforge.train.sharding import shard_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

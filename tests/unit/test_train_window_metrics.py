@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from recforge.train.loop import WindowMetrics
+from recforge.train.loop.step_loop import WindowMetrics
 from recforge.train.metrics import auc, logloss, normalized_entropy
 
 

@@ -67,7 +67,7 @@ class ProfileSummary(Record):
 
 
 class MappingSummary(Record):
-    """RAP's mapping as planned (recforge.pipelines.rap_planning.plan_mapped_schedules, less the file)."""
+    """RAP's mapping as planned (recforge.pipelines.hooks.rap_planning.plan_mapped_schedules, less the file)."""
 
     placed_by: str
     placement_kinds: dict[str, int] = Field(description="tables per sharding kind")

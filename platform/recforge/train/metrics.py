@@ -10,7 +10,7 @@ from scipy.stats import rankdata
 from recforge.data.shards import open_manifest, read_rows
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.executor import Executor
-from recforge.train.batches import slice_raw
+from recforge.train.loop.batches import slice_raw
 
 
 def _check(labels: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -15,7 +15,7 @@ from recforge.rap.mapping.worker_mapping import WorkerMapping, load_mapping, map
 from recforge.rap.planning.schedule import CorunSchedule, whole_kernel_schedule
 from recforge.rap.runtime.offline import OfflineTaskBatches
 from recforge.rap.runtime.session import CorunSession
-from recforge.train.batches import TaskBatches
+from recforge.train.loop.batches import TaskBatches
 from recforge.train.sharding import ShardedModel
 from recforge.train.spec import WorkerSpec
 

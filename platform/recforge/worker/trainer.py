@@ -19,10 +19,11 @@ import torch
 
 from recforge.preprocess.executor import make_executor
 from recforge.preprocess.planning.plan import Plan
-from recforge.train.accumulate import train_epoch_accumulated
-from recforge.train.batches import empty
-from recforge.train.ledger import Ledger
-from recforge.train.loop import Heartbeat, train_epoch
+from recforge.train.loop.accumulate import train_epoch_accumulated
+from recforge.train.loop.batches import empty
+from recforge.train.loop.ledger import Ledger
+from recforge.train.loop.step_loop import Heartbeat, train_epoch
+from recforge.train.loop.window import GroupStop, WindowHook
 from recforge.train.metrics_sink import AsyncMetricsSink, LogFn
 from recforge.train.model import build_dlrm
 from recforge.train.probe import probe_logits
@@ -33,7 +34,6 @@ from recforge.train.recovery.restart import resume_group
 from recforge.train.result import ResumedFrom, WorkerResult
 from recforge.train.sharding import shard_model
 from recforge.train.spec import WorkerSpec
-from recforge.train.window import GroupStop, WindowHook
 from recforge.worker.corun import epoch_source, start_session, worker_mapping
 from recforge.worker.elastic_client import join_master, launch_generation
 

@@ -28,7 +28,7 @@ from recforge.preprocess.batch import RawBatch
 from recforge.rap.mapping.mapped_input import MappedFeatures
 from recforge.rap.runtime.corun_batches import CorunBatch, CorunReadAhead
 from recforge.rap.runtime.corun_runtime import CorunConfigError, CorunRuntime
-from recforge.train.batches import Batch, LeasedTask, TaskBatches, TaskClient, slice_raw
+from recforge.train.loop.batches import Batch, LeasedTask, TaskBatches, TaskClient, slice_raw
 
 
 class LeaseFailed(str):

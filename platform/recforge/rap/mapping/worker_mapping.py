@@ -1,6 +1,6 @@
-"""RAP's mapping file, between planning and the workers: the placements of every table and each rank's co-run jobs
-(global first), planned for one world size (MAPPING_FILE, written by recforge.pipelines.rap_planning). A worker reads
-its part (load_mapping): shard_model takes the placements, the co-run session the jobs (mapped_jobs). After a
+"""RAP's mapping file, between planning and the workers: the placements of every table and each rank's co-run
+jobs (global first), planned for one world size (MAPPING_FILE, written by the plan stage). A worker reads its
+part (load_mapping): shard_model takes the placements, the co-run session the jobs (mapped_jobs). After a
 rescale to another world size the tables keep their kinds and the job co-runs without the mapping.
 """
 from __future__ import annotations

@@ -35,8 +35,8 @@ from recforge.rap.profiling.profiler import (
     log_profile,
 )
 from recforge.rap.profiling.stages import STAGES, StageTracker
-from recforge.train.batches import Batch, prepare
-from recforge.train.loss import step_loss
+from recforge.train.loop.batches import Batch, prepare
+from recforge.train.loop.loss import step_loss
 from recforge.train.model import build_dlrm
 from recforge.train.sharding import shard_model
 

@@ -16,7 +16,7 @@ import torch
 from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.rap.runtime.corun_runtime import CorunRuntime, Pending
-from recforge.train.batches import Batch, TaskBatches, TaskClient
+from recforge.train.loop.batches import Batch, TaskBatches, TaskClient
 
 
 @dataclass

@@ -30,7 +30,7 @@ from recforge.data.shards import read_rows
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.executor import make_executor
 from recforge.preprocess.planning.plan import Plan
-from recforge.train.batches import Batch, TaskBatches, TaskClient
+from recforge.train.loop.batches import Batch, TaskBatches, TaskClient
 
 INDEX_FILE = "index.json"
 PAD_FILE = "pad.pt"

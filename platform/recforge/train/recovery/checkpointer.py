@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from recforge.train.loop import EpochStats, LoopState
+from recforge.train.loop.step_loop import EpochStats, LoopState
 from recforge.train.recovery.flash import FlashSnapshotter
 from recforge.train.recovery.resume import loop_to_dict, save_disk
 

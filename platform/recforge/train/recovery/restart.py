@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from recforge.train.loop import EpochStats, LoopState
+from recforge.train.loop.step_loop import EpochStats, LoopState
 from recforge.train.recovery.resume import Restored, load_latest, loop_from_dict
 
 log = logging.getLogger(__name__)

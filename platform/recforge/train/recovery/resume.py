@@ -17,7 +17,7 @@ naming the problem, falling back to the previous one. DCP reshards on load, so a
 one world size (and sharding plan) loads into another. Then rank 0 rolls the master back to the
 checkpoint's data state (no checkpoint: to the start).
 
-Guarantee (documented in docs of recforge.train.ledger too): the final model has been trained on
+Guarantee (documented in docs of recforge.train.loop.ledger too): the final model has been trained on
 every row of every epoch exactly once; rows trained by a failed group after the checkpoint it was
 resumed from (the work in flight at the failure) were trained once more in the lost timeline, and
 the master hands them out again.
@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from recforge.train.loop import EpochStats, LoopState
+from recforge.train.loop.step_loop import EpochStats, LoopState
 from recforge.train.recovery.layout import (
     DISK,
     MEMORY,

@@ -1,7 +1,7 @@
 """The synchronous step loop: every rank steps in lockstep, padded batches, exact loss normalization.
 
 Per step one all_reduce of [has_data, real_rows] decides whether the epoch goes on (some rank still
-has data) and gives the global weight for the loss (recforge.train.loss). A rank without data trains
+has data) and gives the global weight for the loss (recforge.train.loop.loss). A rank without data trains
 a fully zero-weight batch, so TorchRec's all-to-alls always see equal batch sizes.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from recforge.train.batches import Batch, TaskBatches
-from recforge.train.loss import step_loss
+from recforge.train.loop.batches import Batch, TaskBatches
+from recforge.train.loop.loss import step_loss
 from recforge.train.metrics import auc, logloss, normalized_entropy
 from recforge.train.sharding import ShardedModel
 
@@ -116,7 +116,7 @@ def train_epoch(
 ) -> EpochStats:
     """`resume`: the counters of this epoch restored from a checkpoint. `on_window(state, stats)` runs
     on every rank at each logging-window boundary, when `stats` is exact (checkpoints happen there).
-    `accumulation`: micro-batches per optimizer step (recforge.train.accumulate explains the > 1 case)."""
+    `accumulation`: micro-batches per optimizer step (recforge.train.loop.accumulate explains the > 1 case)."""
     if accumulation < 1:
         raise ValueError(f"accumulation must be >= 1, got {accumulation}")
     model, opt = sharded.model, sharded.optimizer

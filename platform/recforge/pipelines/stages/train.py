@@ -49,12 +49,16 @@ def train(ctx: RunContext) -> TrainOutputs:
             preprocessed_dir=w.tmp / "preprocessed" if cfg.preprocessing == "offline" else None,
         )
         if cfg.preprocessing == "offline":  # preprocess the whole training data first (recforge.rap.runtime.offline)
-            from recforge.pipelines.rap_training import preprocess_offline  # lazy: torch off the UI/CLI import path
+            from recforge.pipelines.hooks.rap_training import (
+                preprocess_offline,  # lazy: torch off the UI/CLI import path
+            )
             preprocess_offline(store, run_id, manifest_dir, plan.plan_path, cfg.dataset(), spec.preprocess_executor,
                                w.tmp / "preprocessed")
         store.log_params(run_id, {"train": cfg.train.model_dump(mode="json"),
                                   "model": cfg.model.model_dump(mode="json")})
-        from recforge.pipelines import train_dlrover  # lazy: mlflow off the UI/CLI import path (DLRover-RM stages 2/3)
+        from recforge.pipelines.hooks import (
+            dlrover_training as train_dlrover,  # lazy: mlflow off the UI/CLI import path (DLRover-RM stages 2/3)
+        )
 
         scaler, spec = train_dlrover.start(store, run_id, plan, cfg, spec, w.tmp)
         # RAP's mapping trains global batches: one task feeds every worker, so it is `workers` times larger
@@ -75,14 +79,16 @@ def train(ctx: RunContext) -> TrainOutputs:
         )
         dlrover = train_dlrover.finish(store, run_id, scaler, result.attempts)
         if cfg.preprocessing == "offline":  # the preprocessed copy of the training data served this job only
-            from recforge.pipelines.rap_training import drop_offline_data  # lazy: torch off the UI/CLI import path
+            from recforge.pipelines.hooks.rap_training import (
+                drop_offline_data,  # lazy: torch off the UI/CLI import path
+            )
             drop_offline_data(store, run_id, w.tmp / "preprocessed")
         worker = WorkerResult.load(spec.output_dir)
         store.log_metrics(run_id, {"samples_per_s": worker.samples_per_s, "steps": worker.steps,
                                    "final_train_loss": worker.final_loss, "wall_s": worker.wall_s})
         store.log_dict(run_id, worker.model_dump(mode="json"), "result.json")
         if worker.rap:  # RAP co-run: schedule + Gantt, predicted vs measured iteration time
-            from recforge.pipelines.rap_training import log_corun  # lazy: torch off the UI/CLI import path
+            from recforge.pipelines.hooks.rap_training import log_corun  # lazy: torch off the UI/CLI import path
             log_corun(store, run_id, worker.rap)
         return TrainOutputs(
             checkpoint_dir=str(w.final / "checkpoint"), samples_per_s=worker.samples_per_s, steps=worker.steps,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from recforge.pipelines.context import RunContext
 from recforge.pipelines.outputs import CompileOutputs, CompileReport, EvaluateOutputs, IngestOutputs, PublishOutputs
 from recforge.pipelines.stage import run_stage
-from recforge.pipelines.train_stage import load_trained
+from recforge.pipelines.stages.train import load_trained
 
 REGISTERED_MODEL = "recforge-dlrm"
 

@@ -1,5 +1,5 @@
 """DLRover-RM in the daily pipeline (resources.policy == "dlrover"): stage 1 in the plan task, stages 2/3
-during the train task (recforge.pipelines.train_dlrover), everything logged to the tasks' MLflow runs,
+during the train task (recforge.pipelines.hooks.dlrover_training), everything logged to the tasks' MLflow runs,
 and the run's resource model kept as history for tomorrow's stage 1."""
 from __future__ import annotations
 

@@ -22,15 +22,17 @@ def plan_resources(ctx: RunContext) -> PlanOutputs:
         resources = StaticPolicy(cfg.resources).plan(None)
         dlrover = None
         if cfg.resources.policy == "dlrover":  # DLRover-RM stage 1: warm start from MLflow history (logs its events)
-            from recforge.pipelines.resource_planning import plan_with_dlrover  # lazy: mlflow off the UI/CLI path
+            from recforge.pipelines.hooks.resource_planning import plan_with_dlrover  # lazy: mlflow off the UI/CLI path
             rows = ctx.read(IngestOutputs).train.rows
             resources, dlrover = plan_with_dlrover(store, run_id, cfg, plan.tables(), rows)
         store.log_params(run_id, {"policy": cfg.resources.policy, "workers": resources.workers,
                                   "threads_per_worker": resources.threads_per_worker})
         store.log_artifact(run_id, plan_path)
         corun = None
-        if cfg.preprocessing == "corun":  # RAP: the co-run schedule every worker runs (recforge.pipelines.rap_planning)
-            from recforge.pipelines.rap_planning import plan_and_log_schedule  # lazy: torch off the UI/CLI import path
+        if cfg.preprocessing == "corun":  # RAP: the co-run schedule every worker runs (hooks/rap_planning.py)
+            from recforge.pipelines.hooks.rap_planning import (
+                plan_and_log_schedule,  # lazy: torch off the UI/CLI import path
+            )
             planned = plan_and_log_schedule(store, run_id, cfg, plan, resources.workers, w,
                                             manifest_dir=ctx.read(IngestOutputs).train.manifest_dir,
                                             trainer_threads=resources.threads_per_worker)  # profiles the job if new

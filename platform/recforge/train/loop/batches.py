@@ -80,7 +80,7 @@ class TaskBatches:
 
     The caller trains each batch, then calls `trained(batch)`: after a task's last batch that reports
     the task done (with its real row count) to the master, so a task is never marked done before its
-    rows have been trained on. `ledger` (recforge.train.ledger.Ledger) records every trained batch's rows.
+    rows have been trained on. `ledger` (recforge.train.loop.ledger.Ledger) records every trained batch's rows.
     """
 
     def __init__(

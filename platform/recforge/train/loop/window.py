@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recforge.train.loop import EpochStats, LoopState
+from recforge.train.loop.step_loop import EpochStats, LoopState
 from recforge.train.recovery import faults as fault_injection
 from recforge.train.recovery.checkpointer import Checkpointer
 

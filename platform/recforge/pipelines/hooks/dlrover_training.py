@@ -18,8 +18,8 @@ from typing import Any
 from recforge.elastic.backends.base import JobFailedError
 from recforge.elastic.master.dlrover_scaler import DLRoverScaler, scaler_from_stage1
 from recforge.elastic.optimizer.events import Event
+from recforge.pipelines.hooks.resource_planning import log_dlrover_run
 from recforge.pipelines.outputs import DLRoverRun, ExecutedDecision, PlanOutputs
-from recforge.pipelines.resource_planning import log_dlrover_run
 from recforge.tracking.resource_models import log_events
 from recforge.train.spec import WorkerSpec
 
