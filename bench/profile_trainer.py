@@ -8,7 +8,7 @@ shared) spreads over all of them; the fit uses the median over repetitions.
 Memory: a sampler thread reads the RSS of every worker process (matched by the job's spec path, rank
 from its environment) twice a second; the peak and the RSS-vs-time slope go into the point.
 
-    python bench/profile_trainer.py --out platform/recforge/elastic/optimizer/profiles/dlrm_criteo_2core.json
+    python bench/profile_trainer.py --out platform/recforge/elastic/optimizer/models/profiles/dlrm_criteo_2core.json
 
 The output (JSON) is rewritten atomically after every point, so an interrupted run keeps what it measured;
 `--resume` skips the (config, repetition) pairs already in the file. It holds measurements only: a point that
@@ -263,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def report_fit(path: Path) -> int:
     """Term selection, fit and held-out MAPE on a profile; writes <profile>.fit.json and a plot in bench/results."""
-    from recforge.elastic.optimizer.memory_model import MemoryModel, MemorySample
-    from recforge.elastic.optimizer.throughput_model import fit_profile, load_profile
+    from recforge.elastic.optimizer.models.memory_model import MemoryModel, MemorySample
+    from recforge.elastic.optimizer.models.throughput_model import fit_profile, load_profile
 
     samples, cond = load_profile(path)
     res = fit_profile(samples)
@@ -290,7 +290,7 @@ def report_fit(path: Path) -> int:
         import matplotlib
 
         matplotlib.use("Agg")
-        from recforge.elastic.optimizer.resource_store import predicted_vs_measured_figure
+        from recforge.elastic.optimizer.models.resource_store import predicted_vs_measured_figure
 
         fig = predicted_vs_measured_figure(res.model, res.train, res.held_out, f"{path.stem}: {res.model.describe()}")
         target = Path(__file__).resolve().parent / "results" / f"{path.stem}_predicted_vs_measured.png"

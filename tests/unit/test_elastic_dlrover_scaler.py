@@ -6,7 +6,7 @@ import pytest
 from recforge.config import ResourceConfig
 from recforge.elastic.master.dlrover_scaler import DLRoverScaler
 from recforge.elastic.optimizer import DLRoverPolicy, GiB, JobLimits, OptimizerConfig
-from recforge.elastic.optimizer.throughput_model import ThroughputModel
+from recforge.elastic.optimizer.models.throughput_model import ThroughputModel
 from recforge.elastic.policy import JobInfo, ResourcePlan
 
 

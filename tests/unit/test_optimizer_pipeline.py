@@ -6,10 +6,10 @@ import json
 import pytest
 
 from recforge.config import ResourceConfig
-from recforge.elastic.optimizer.history import InMemoryHistory, JobRecord
-from recforge.elastic.optimizer.memory_model import GiB
+from recforge.elastic.optimizer.models.history import InMemoryHistory, JobRecord
+from recforge.elastic.optimizer.models.memory_model import GiB
+from recforge.elastic.optimizer.models.throughput_model import Allocation, ThroughputModel, load_profile
 from recforge.elastic.optimizer.plans import JobDescription, JobLimits, PodPlan
-from recforge.elastic.optimizer.throughput_model import Allocation, ThroughputModel, load_profile
 from recforge.elastic.optimizer.warm_start import history_points, local_default_model, warm_start
 from recforge.pipelines.hooks.resource_planning import pipeline_plan, recommend_after_run
 

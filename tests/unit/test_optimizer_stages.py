@@ -22,10 +22,10 @@ from recforge.elastic.optimizer import (
     warm_start,
 )
 from recforge.elastic.optimizer.events import Event, read_jsonl, write_jsonl
-from recforge.elastic.optimizer.history import InMemoryHistory, JobRecord
-from recforge.elastic.optimizer.memory_model import GiB
+from recforge.elastic.optimizer.models.history import InMemoryHistory, JobRecord
+from recforge.elastic.optimizer.models.memory_model import GiB
+from recforge.elastic.optimizer.models.throughput_model import PS_TERMS, ThroughputModel
 from recforge.elastic.optimizer.search import candidates, plan_cost
-from recforge.elastic.optimizer.throughput_model import PS_TERMS, ThroughputModel
 from recforge.elastic.policy import JobInfo, Policy, ResourcePlan
 
 MODEL = ThroughputModel(PS_TERMS, (0.02, 4e-4, 5e-5, 0.002, 0.001, 0.0005))

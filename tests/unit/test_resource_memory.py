@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from recforge.elastic.optimizer.memory_model import (
+from recforge.elastic.optimizer.models.memory_model import (
     GiB,
     MemoryModel,
     MemorySample,
@@ -15,7 +15,7 @@ from recforge.elastic.optimizer.memory_model import (
     embedding_shard_bytes,
     next_memory,
 )
-from recforge.elastic.optimizer.throughput_model import ModelFitError
+from recforge.elastic.optimizer.models.throughput_model import ModelFitError
 
 TRUE = MemoryModel(base_bytes=0.4 * GiB, emb_factor=2.5, growth_per_step=1e5)
 

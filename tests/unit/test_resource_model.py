@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from recforge.elastic.optimizer.throughput_model import (
+from recforge.elastic.optimizer.models.throughput_model import (
     PS_TERMS,
     Allocation,
     ModelFitError,

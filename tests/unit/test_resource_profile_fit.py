@@ -1,4 +1,4 @@
-"""The model fitted on the committed measurements of our trainer (elastic/optimizer/profiles/): deterministic,
+"""The model fitted on the committed measurements of our trainer (elastic/optimizer/models/profiles/): deterministic,
 no re-measuring."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from recforge.elastic.optimizer.throughput_model import (
+from recforge.elastic.optimizer.models.throughput_model import (
     DEFAULT_PROFILE,
     LOCAL_CANDIDATES,
     ModelFitError,

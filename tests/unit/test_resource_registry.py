@@ -5,8 +5,8 @@ import pandas as pd
 import pytest
 
 from recforge.elastic.optimizer import JobDescription, JobLimits, PodPlan, warm_start
-from recforge.elastic.optimizer.memory_model import GiB
-from recforge.elastic.optimizer.throughput_model import Allocation, ThroughputModel
+from recforge.elastic.optimizer.models.memory_model import GiB
+from recforge.elastic.optimizer.models.throughput_model import Allocation, ThroughputModel
 
 MODEL = ThroughputModel(("const", "b_per_cpu", "w"), (0.01, 2e-4, 0.003), fit_mape=0.05, n_points=12)
 PLAN = PodPlan(3, 2.0, 4 * GiB, 512)
@@ -22,7 +22,7 @@ def store(recforge_home):
 def test_a_registered_resource_model_loads_by_name_and_version_and_a_bad_plan_tag_is_reported(store):
     from mlflow.exceptions import MlflowException
 
-    from recforge.elastic.optimizer.resource_store import log_resource_model
+    from recforge.elastic.optimizer.models.resource_store import log_resource_model
     from recforge.tracking.resource_models import load_resource_model, registered_name
 
     name = registered_name("criteo_kaggle", "dlrm")
@@ -50,7 +50,7 @@ def test_a_registered_resource_model_loads_by_name_and_version_and_a_bad_plan_ta
 
 
 def _a_run_whose_plan_tag_is_not_json_still_gives_its_record_and_is_reported(store):
-    from recforge.elastic.optimizer.resource_store import MlflowHistory, log_resource_model
+    from recforge.elastic.optimizer.models.resource_store import MlflowHistory, log_resource_model
     from recforge.tracking.resource_models import PLAN_TAG
 
     run_id = store.stage_run("exp", "k", "train")

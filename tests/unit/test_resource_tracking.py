@@ -8,9 +8,9 @@ import pandas as pd
 import pytest
 
 from recforge.elastic.optimizer import JobDescription, JobLimits, PodPlan, warm_start
-from recforge.elastic.optimizer.history import History
-from recforge.elastic.optimizer.memory_model import GiB, MemoryModel
-from recforge.elastic.optimizer.throughput_model import Allocation, Sample, ThroughputModel
+from recforge.elastic.optimizer.models.history import History
+from recforge.elastic.optimizer.models.memory_model import GiB, MemoryModel
+from recforge.elastic.optimizer.models.throughput_model import Allocation, Sample, ThroughputModel
 
 MODEL = ThroughputModel(("const", "b_per_cpu", "w"), (0.01, 2e-4, 0.003), fit_mape=0.05, n_points=12)
 MEM = MemoryModel(0.5 * GiB, 2.0, 10.0)
@@ -25,7 +25,7 @@ def store(recforge_home):
 
 
 def _logged_run(store, dataset="criteo_kaggle", family="dlrm"):
-    from recforge.elastic.optimizer.resource_store import log_resource_model
+    from recforge.elastic.optimizer.models.resource_store import log_resource_model
 
     run_id = store.stage_run("test_exp", "k1", f"train-{dataset}-{family}")
     pts = [Sample(Allocation(w, 1.0, 512), MODEL.predict(Allocation(w, 1.0, 512)) * 1.03) for w in (1, 2, 3)]
@@ -56,7 +56,7 @@ def test_logged_pyfunc_answers_what_would_8_workers_give(store):
 
 
 def test_history_reads_models_back_and_stage1_uses_them(store):
-    from recforge.elastic.optimizer.resource_store import MlflowHistory
+    from recforge.elastic.optimizer.models.resource_store import MlflowHistory
 
     _logged_run(store)
     _logged_run(store, dataset="wide400")
@@ -72,7 +72,7 @@ def test_history_reads_models_back_and_stage1_uses_them(store):
 
 
 def test_corrupt_or_missing_model_artifact_keeps_the_plan_and_reports_it(store, tmp_path):
-    from recforge.elastic.optimizer.resource_store import MlflowHistory
+    from recforge.elastic.optimizer.models.resource_store import MlflowHistory
     from recforge.tracking.resource_models import RECORD_FILE
 
     run_id, _ = _logged_run(store)

@@ -2,7 +2,7 @@
 
 Model-agnostic: a job's record is plain JSON-able data (`ResourceModelRecord`: the final plan, the
 models' state, measurements), and the pyfunc's predictor comes from a loader the caller passes in
-(recforge.elastic.optimizer.resource_store holds DLRover-RM's). `log_resource_model` puts into a run:
+(recforge.elastic.optimizer.models.resource_store holds DLRover-RM's). `log_resource_model` puts into a run:
   - an MLflow model `resource_model` (pyfunc over the record; `load_resource_model(uri)` or
     mlflow.pyfunc.load_model);
   - `resource_model/record.json`: the record;

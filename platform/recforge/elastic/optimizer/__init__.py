@@ -1,8 +1,8 @@
 """DLRover-RM's three-stage resource optimizer: warm start, runtime scaling, instability handling."""
 from recforge.elastic.optimizer.events import STAGES, Event, read_jsonl, to_jsonl, write_jsonl
-from recforge.elastic.optimizer.history import History, InMemoryHistory, JobRecord
 from recforge.elastic.optimizer.instability_stage import InstabilityStage
-from recforge.elastic.optimizer.memory_model import (
+from recforge.elastic.optimizer.models.history import History, InMemoryHistory, JobRecord
+from recforge.elastic.optimizer.models.memory_model import (
     DEFAULT_MEMORY_MODEL,
     GiB,
     MemoryModel,
@@ -10,6 +10,17 @@ from recforge.elastic.optimizer.memory_model import (
     MemoryTrend,
     embedding_shard_bytes,
     next_memory,
+)
+from recforge.elastic.optimizer.models.throughput_model import (
+    PS_TERMS,
+    Allocation,
+    ModelFitError,
+    OnlineThroughputModel,
+    Sample,
+    ThroughputModel,
+    fit,
+    fit_profile,
+    load_profile,
 )
 from recforge.elastic.optimizer.observation import Observation
 from recforge.elastic.optimizer.plans import (
@@ -23,17 +34,6 @@ from recforge.elastic.optimizer.plans import (
 from recforge.elastic.optimizer.policy import DLRoverPolicy
 from recforge.elastic.optimizer.runtime_stage import RuntimeStage
 from recforge.elastic.optimizer.search import Move, best_moves, clamp, search
-from recforge.elastic.optimizer.throughput_model import (
-    PS_TERMS,
-    Allocation,
-    ModelFitError,
-    OnlineThroughputModel,
-    Sample,
-    ThroughputModel,
-    fit,
-    fit_profile,
-    load_profile,
-)
 from recforge.elastic.optimizer.warm_start import WarmStart, history_points, local_default_model, warm_start
 
 # resource_store (MLflow history and models) is imported by name: it loads recforge.tracking and MLflow.

@@ -11,7 +11,13 @@ from dataclasses import replace
 from typing import Any
 
 from recforge.elastic.optimizer.events import Event
-from recforge.elastic.optimizer.memory_model import GiB, MemoryModel, MemoryTrend, embedding_shard_bytes, next_memory
+from recforge.elastic.optimizer.models.memory_model import (
+    GiB,
+    MemoryModel,
+    MemoryTrend,
+    embedding_shard_bytes,
+    next_memory,
+)
 from recforge.elastic.optimizer.observation import Observation
 from recforge.elastic.optimizer.plans import JobDescription, JobLimits, OptimizerConfig, PodPlan
 from recforge.elastic.optimizer.search import job_steps

@@ -9,8 +9,8 @@ from typing import Any
 
 import psutil
 
-from recforge.elastic.optimizer.memory_model import GiB
-from recforge.elastic.optimizer.throughput_model import Allocation
+from recforge.elastic.optimizer.models.memory_model import GiB
+from recforge.elastic.optimizer.models.throughput_model import Allocation
 from recforge.elastic.policy import ResourcePlan
 
 

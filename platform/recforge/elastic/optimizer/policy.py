@@ -9,12 +9,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from recforge.elastic.optimizer.events import Event
-from recforge.elastic.optimizer.history import History
 from recforge.elastic.optimizer.instability_stage import InstabilityStage
-from recforge.elastic.optimizer.memory_model import DEFAULT_MEMORY_MODEL, MemoryModel
+from recforge.elastic.optimizer.models.history import History
+from recforge.elastic.optimizer.models.memory_model import DEFAULT_MEMORY_MODEL, MemoryModel
+from recforge.elastic.optimizer.models.throughput_model import ThroughputModel
 from recforge.elastic.optimizer.plans import JobDescription, JobLimits, OptimizerConfig, PodPlan
 from recforge.elastic.optimizer.runtime_stage import RuntimeStage
-from recforge.elastic.optimizer.throughput_model import ThroughputModel
 from recforge.elastic.optimizer.warm_start import WarmStart, warm_start
 from recforge.elastic.policy import JobInfo, ResourcePlan
 

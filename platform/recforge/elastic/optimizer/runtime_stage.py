@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from recforge.elastic.optimizer.events import Event
-from recforge.elastic.optimizer.memory_model import GiB, MemoryModel, MemoryTrend
+from recforge.elastic.optimizer.models.memory_model import GiB, MemoryModel, MemoryTrend
+from recforge.elastic.optimizer.models.throughput_model import PS_TERMS, OnlineThroughputModel, Sample, ThroughputModel
 from recforge.elastic.optimizer.observation import Observation
 from recforge.elastic.optimizer.plans import JobDescription, JobLimits, OptimizerConfig, PodPlan
 from recforge.elastic.optimizer.search import best_moves, job_steps, plan_cost, search
-from recforge.elastic.optimizer.throughput_model import PS_TERMS, OnlineThroughputModel, Sample, ThroughputModel
 
 
 class RuntimeStage:

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from recforge.elastic.optimizer.memory_model import GiB, MemoryModel, embedding_shard_bytes
+from recforge.elastic.optimizer.models.memory_model import GiB, MemoryModel, embedding_shard_bytes
+from recforge.elastic.optimizer.models.throughput_model import ThroughputModel
 from recforge.elastic.optimizer.plans import JobDescription, JobLimits, OptimizerConfig, PodPlan, ResourceLimitError
-from recforge.elastic.optimizer.throughput_model import ThroughputModel
 
 
 @dataclass

@@ -12,11 +12,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from recforge.elastic.optimizer.events import Event
-from recforge.elastic.optimizer.history import History, JobRecord
-from recforge.elastic.optimizer.memory_model import DEFAULT_MEMORY_MODEL, MemoryModel
-from recforge.elastic.optimizer.plans import JobDescription, JobLimits, OptimizerConfig, PodPlan, ResourceLimitError
-from recforge.elastic.optimizer.search import clamp, memory_for, search
-from recforge.elastic.optimizer.throughput_model import (
+from recforge.elastic.optimizer.models.history import History, JobRecord
+from recforge.elastic.optimizer.models.memory_model import DEFAULT_MEMORY_MODEL, MemoryModel
+from recforge.elastic.optimizer.models.throughput_model import (
     Allocation,
     Sample,
     ThroughputModel,
@@ -24,6 +22,8 @@ from recforge.elastic.optimizer.throughput_model import (
     fit_profile,
     load_profile,
 )
+from recforge.elastic.optimizer.plans import JobDescription, JobLimits, OptimizerConfig, PodPlan, ResourceLimitError
+from recforge.elastic.optimizer.search import clamp, memory_for, search
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ _LOCAL_MODEL: list = []
 
 
 def local_default_model() -> ThroughputModel | None:
-    """Our trainer's model fitted on the committed profile (elastic/optimizer/profiles/), the cold-start prior for
+    """Our trainer's model fitted on the committed profile (optimizer/models/profiles/), the cold-start prior for
     the local backend; None (and a logged warning) when the profile is missing or cannot be fitted."""
     if not _LOCAL_MODEL:
         try:

@@ -30,7 +30,7 @@ from recforge.elastic.optimizer import (
     local_default_model,
     optimizer_config,
 )
-from recforge.elastic.optimizer.resource_store import MlflowHistory, log_resource_model
+from recforge.elastic.optimizer.models.resource_store import MlflowHistory, log_resource_model
 from recforge.elastic.policy import JobInfo, ResourcePlan
 from recforge.tracking.resource_models import log_events
 from recforge.tracking.store import TrackingStore

@@ -15,9 +15,9 @@ from typing import Any
 
 import pandas as pd
 
-from recforge.elastic.optimizer.history import JobRecord
-from recforge.elastic.optimizer.memory_model import MemoryModel
-from recforge.elastic.optimizer.throughput_model import Allocation, ModelFitError, Sample, ThroughputModel
+from recforge.elastic.optimizer.models.history import JobRecord
+from recforge.elastic.optimizer.models.memory_model import MemoryModel
+from recforge.elastic.optimizer.models.throughput_model import Allocation, ModelFitError, Sample, ThroughputModel
 from recforge.tracking.resource_models import ResourceModelRecord, find_resource_runs, record_problem
 from recforge.tracking.resource_models import log_resource_model as _log_record
 from recforge.tracking.store import TrackingStore

@@ -348,7 +348,7 @@ class OnlineThroughputModel:
 
 
 # ---------------------------------------------------------------------------------------------
-# profiles measured on our own trainer (bench/profile_trainer.py -> elastic/optimizer/profiles/*.json)
+# profiles measured on our own trainer (bench/profile_trainer.py -> elastic/optimizer/models/profiles/*.json)
 # ---------------------------------------------------------------------------------------------
 PROFILE_DIR = Path(__file__).with_name("profiles")
 DEFAULT_PROFILE = PROFILE_DIR / "dlrm_criteo_2core.json"

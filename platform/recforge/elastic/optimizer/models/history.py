@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from recforge.elastic.optimizer.memory_model import MemoryModel
-from recforge.elastic.optimizer.throughput_model import ThroughputModel
+from recforge.elastic.optimizer.models.memory_model import MemoryModel
+from recforge.elastic.optimizer.models.throughput_model import ThroughputModel
 
 
 @dataclass

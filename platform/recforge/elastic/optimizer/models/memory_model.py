@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import nnls
 
-from recforge.elastic.optimizer.throughput_model import ModelFitError
+from recforge.elastic.optimizer.models.throughput_model import ModelFitError
 
 GiB = 1 << 30
 
