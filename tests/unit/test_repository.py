@@ -1,4 +1,4 @@
-"""The repository stands alone: no tracked file refers to a folder beside the checkout (`shared/`) or to an
+"""The repository stands alone: no tracked file refers to the source-material folder beside the checkout or to an
 absolute path of some machine, and no build output or other binary is committed (a stray wheel, a .so).
 
 Design documents live in docs/, test data in tests/data/. The scan covers every file `git ls-files` lists.
@@ -14,14 +14,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Built from parts so that this file does not match its own patterns.
-_MACHINE_ROOTS = ("work", "root")  # this project's machines; an image's own /home/<user> is fine
+# Names spelled in parts, so that no line of this file is itself a reference: the folder beside the checkout
+# and this project's machine roots (an image's own home directory is fine).
+OUTSIDE = "shar" "ed"
+_MACHINE_ROOTS = ("wo" "rk", "ro" "ot")
 REFERENCE_PATTERNS: dict[str, re.Pattern[str]] = {
-    # `../shared/papers/RAP.md`, "shared/data/x.tsv", `see shared/DESIGN.md` (not "shared memory", "/dev/shm")
-    "folder outside the repository (" + "shared/)": re.compile(r"(?:^|[\s\"'`(\[<=:/])" + "shared" + r"/"),
-    # Path(...).parent / "shared", os.path.join(root, "shared")
-    "folder outside the repository (" + "shared path join)": re.compile(
-        r"""(?:/|,)\s*["']""" + "shared" + r"""["']"""),
+    # a relative or bare path into the folder (not the word in prose, "... memory", "/dev/shm")
+    f"folder outside the repository ({OUTSIDE}/)": re.compile(r"(?:^|[\s\"'`(\[<=:/])" + OUTSIDE + r"/"),
+    # the folder joined as a path component: Path(...).parent / "<folder>", os.path.join(root, "<folder>")
+    f"folder outside the repository ({OUTSIDE} path join)": re.compile(
+        r"""(?:/|,)\s*["']""" + OUTSIDE + r"""["']"""),
     "absolute machine path": re.compile(r"(?<![\w.~$-])/(?:" + "|".join(_MACHINE_ROOTS) + r")/[\w.-]"),
 }
 
@@ -30,8 +32,6 @@ BINARY_SUFFIXES = (
     ".pickle", ".npy", ".npz", ".parquet", ".zip", ".tar", ".gz", ".tgz", ".bz2", ".xz",
 )
 ALLOWED_BINARIES: dict[str, str] = {}  # path -> why it must be committed; nothing so far
-# This file spells the patterns out in its docstrings and planted samples; its matcher is tested below instead.
-SELF = str(Path(__file__).resolve().relative_to(REPO))
 
 
 def find_references(text: str) -> list[tuple[int, str, str]]:
@@ -61,8 +61,6 @@ def scan(root: Path) -> list[str]:
     """Every problem as "path:line: what: text" (binaries as "path: committed binary")."""
     problems = []
     for rel in tracked_files(root):
-        if rel == SELF:
-            continue
         path = root / rel
         if is_binary(path):
             if rel not in ALLOWED_BINARIES:
@@ -84,42 +82,49 @@ def test_repository_has_no_outside_references_or_binaries():
     assert not problems, "point to docs/ or tests/data/ instead:\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("line", [
-    "Design: `/" + "work/shared/DESIGN.md`.",
-    '"""RAP co-running (ASPLOS \'24; ../' + 'shared/papers/RAP.md): run fused ..."""',
-    "model (`" + "shared/papers/DLRover-RM.md`); the code is the reference.",
-    'SAMPLE = Path(__file__).resolve().parents[3] / "' + 'shared" / "data" / "sample.tsv"',
-    "SHARED = REPO.parent / '" + "shared'",
-    "data = os.path.join(root, \"" + "shared\", \"data\")",
-    '  File "/' + 'work/main/platform/recforge/worker/main.py", line 162, in main',
-    "cache: /" + "root/.cache/recforge",
+def _plant(template: str) -> str:
+    """A sample line with the folder ({out}) and the machine roots ({work}, {root}) filled in."""
+    return template.format(out=OUTSIDE, work=_MACHINE_ROOTS[0], root=_MACHINE_ROOTS[1])
+
+
+@pytest.mark.parametrize("template", [
+    "Design: `/{work}/{out}/DESIGN.md`.",
+    '"""RAP co-running (ASPLOS \'24; ../{out}/papers/RAP.md): run fused ..."""',
+    "model (`{out}/papers/DLRover-RM.md`); the code is the reference.",
+    'SAMPLE = Path(__file__).resolve().parents[3] / "{out}" / "data" / "sample.tsv"',
+    "SAMPLES = REPO.parent / '{out}'",
+    "data = os.path.join(root, \"{out}\", \"data\")",
+    '  File "/{work}/main/platform/recforge/worker/main.py", line 162, in main',
+    "cache: /{root}/.cache/recforge",
 ])
-def test_matcher_finds_planted_references(line):
+def test_matcher_finds_planted_references(template):
+    line = _plant(template)
     found = find_references("first line\n" + line + "\n")
     assert [n for n, _, _ in found] == [2] * len(found) and found, line
 
 
-@pytest.mark.parametrize("line", [
-    "Flash checkpoints copy tensors into shared memory (/dev/shm) with no pickling.",
-    "torch.multiprocessing shared_memory tensors; a shared box's CPU time",
-    "the ranks read the task's rows from the shared shards",
+@pytest.mark.parametrize("template", [
+    "Flash checkpoints copy tensors into {out} memory (/dev/shm) with no pickling.",
+    "torch.multiprocessing {out}_memory tensors; a {out} box's CPU time",
+    "the ranks read the task's rows from the {out} shards",
     "see docs/rap.md and tests/data/README.md",
-    "https://example.com/work/shared-things and github.com/owner/work/x",
-    "RECFORGE_HOME=$HOME/.recforge; ~/work/notes",
+    "https://example.com/{work}/{out}-things and github.com/owner/{work}/x",
+    "RECFORGE_HOME=$HOME/.recforge; ~/{work}/notes",
 ])
-def test_matcher_leaves_ordinary_text_alone(line):
+def test_matcher_leaves_ordinary_text_alone(template):
+    line = _plant(template)
     assert find_references(line) == [], line
 
 
 @needs_git
 def test_scan_names_file_and_line_of_a_planted_reference(tmp_path):
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
-    (tmp_path / "README.md").write_text("# x\n\nDesign: see ../" + "shared/DESIGN.md.\n")
+    (tmp_path / "README.md").write_text(_plant("# x\n\nDesign: see ../{out}/DESIGN.md.\n"))
     (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "mod.py").write_text('"""Uses shared memory."""\nCACHE = "/' + 'root/.cache/x"\n')
+    (tmp_path / "pkg" / "mod.py").write_text(_plant('"""Uses {out} memory."""\nCACHE = "/{root}/.cache/x"\n'))
     (tmp_path / "tool-1.0-py3-none-any.whl").write_bytes(b"PK\x03\x04 not really a wheel")
     (tmp_path / "blob.dat").write_bytes(b"abc\0def")
-    (tmp_path / "untracked.md").write_text("see ../" + "shared/papers/RAP.md\n")  # not in git: not scanned
+    (tmp_path / "untracked.md").write_text(_plant("see ../{out}/papers/RAP.md\n"))  # not in git: not scanned
     subprocess.run(["git", "add", "README.md", "pkg/mod.py", "tool-1.0-py3-none-any.whl", "blob.dat"],
                    cwd=tmp_path, check=True)
     problems = scan(tmp_path)
