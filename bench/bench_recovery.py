@@ -92,7 +92,7 @@ def recovery_run(data, run: Path, flash: bool) -> dict:
         "train": data["train"].model_dump(mode="json"), "checkpoint_dir": str(run / "ckpt"),
         "output_dir": str(run / "out"), "seed": 0, "recovery": {"checkpoint_every_steps": 20, "flash": flash},
     }
-    res = ResourceConfig(workers=2, threads_per_worker=1, max_restarts=1)
+    res = ResourceConfig(policy="static", workers=2, threads_per_worker=1, max_restarts=1)
     events: dict = {}
     stop = threading.Event()
     poller = threading.Thread(target=_poll, args=(run / "job" / "master_state.json", events, stop, 12), daemon=True)

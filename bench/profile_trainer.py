@@ -145,7 +145,7 @@ def run_point(root: Path, ds, manifest, plan_path: Path, tables, cfg: dict, rows
         take = min(n, max(left, 0))
         shard_rows.append(take)
         left -= take
-    resources = ResourceConfig(workers=w, threads_per_worker=t, max_restarts=0)
+    resources = ResourceConfig(policy="static", workers=w, threads_per_worker=t, max_restarts=0)
     sampler = RssSampler(str(job_dir / "master"))
     load_before = os.getloadavg()
     t0 = time.perf_counter()

@@ -64,7 +64,7 @@ def run_job(data, run: Path, *, workers=2, max_restarts=0, faults=None, resume=F
     from recforge.elastic.job import run_training_job
     from recforge.elastic.policy import StaticPolicy
 
-    res = ResourceConfig(workers=workers, threads_per_worker=1, max_restarts=max_restarts)
+    res = ResourceConfig(policy="static", workers=workers, threads_per_worker=1, max_restarts=max_restarts)
     env = {"RECFORGE_FAULTS": json.dumps(faults)} if faults else {}
     backend = LocalBackend(max_restarts=0, log_dir=run / "job", env=env, monitor_interval_s=0.5)
     shard_rows = [s.rows for s in Manifest.load(data["root"] / "train").shards]

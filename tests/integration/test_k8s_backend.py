@@ -268,7 +268,7 @@ def test_run_training_job_on_kubernetes_relaunches_a_failed_pod(api, tmp_path):
         return 0
 
     backend = KubernetesBackend(settings("t2"), memory="512Mi", owner=OWNER, api_client=api, poll_s=0.3)
-    res = ResourceConfig(workers=2, threads_per_worker=1, max_restarts=2, backend="kubernetes")
+    res = ResourceConfig(policy="static", workers=2, threads_per_worker=1, max_restarts=2, backend="kubernetes")
     kubelet = FakeKubelet(api, workload=rank)
     kubelet.start()
     try:

@@ -61,7 +61,7 @@ def run_job(api_client, tmp_path, job_id: str, *, workers: int, memory: float, r
     from recforge.elastic.optimizer import DLRoverPolicy, JobLimits, OptimizerConfig
     from recforge.elastic.policy import JobInfo, StaticPolicy
 
-    res = ResourceConfig(workers=workers, threads_per_worker=1, max_restarts=0, backend="kubernetes")
+    res = ResourceConfig(policy="static", workers=workers, threads_per_worker=1, max_restarts=0, backend="kubernetes")
     policy = DLRoverPolicy(limits=JobLimits(cpu=4.0, memory=64 * GiB), default_model=None,
                            config=config or OptimizerConfig(profile_samples=100))
     policy.plan(JobInfo(shard_rows=SHARDS, epochs=1, rows_per_task=8, resources=res,

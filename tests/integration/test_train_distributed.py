@@ -182,7 +182,7 @@ def job(tmp_path_factory):
         "train": train.model_dump(mode="json"), "checkpoint_dir": str(root / "ckpt"),
         "output_dir": str(root / "out"), "seed": 0, "tracking_uri": store.tracking_uri, "mlflow_run_id": run_id,
     }
-    resources = ResourceConfig(workers=2, threads_per_worker=1, max_restarts=0)
+    resources = ResourceConfig(policy="static", workers=2, threads_per_worker=1, max_restarts=0)
     result = run_training_job(
         spec, [s.rows for s in manifest.shards], resources=resources, state_dir=root / "job",
         policy=StaticPolicy(resources), backend=LocalBackend(max_restarts=0, log_dir=root / "job"),

@@ -114,7 +114,7 @@ def test_a_stage_that_raises_is_a_fallback_event_not_a_crash():
 
 # ---- the supervisor carries them out (stub worker under real torchrun) -----------------------
 def run_stub(tmp_path, scaler, workers=2):
-    res = ResourceConfig(workers=workers, threads_per_worker=1, max_restarts=0)
+    res = ResourceConfig(policy="static", workers=workers, threads_per_worker=1, max_restarts=0)
     return run_training_job(stub_spec(tmp_path / "out", obey_stop=True), SHARDS, resources=res,
                             state_dir=tmp_path / "job", policy=StaticPolicy(res, cpu_count=2),
                             backend=stub_backend(max_restarts=0), scaler=scaler, timeout_s=120, poll_s=0.1)

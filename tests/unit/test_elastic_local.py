@@ -34,7 +34,7 @@ def stub_spec(out: Path, **extra) -> dict:
 
 
 def test_static_policy_returns_the_config_and_warns_on_oversubscription():
-    res = ResourceConfig(workers=3, threads_per_worker=2)
+    res = ResourceConfig(policy="static", workers=3, threads_per_worker=2)
     job = JobInfo(shard_rows=[10], epochs=1, rows_per_task=5, resources=res)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -57,7 +57,7 @@ def test_local_backend_command_line():
 
 def test_run_training_job_with_two_real_processes(tmp_path):
     out = tmp_path / "out"
-    res = ResourceConfig(workers=2, threads_per_worker=1, max_restarts=0)
+    res = ResourceConfig(policy="static", workers=2, threads_per_worker=1, max_restarts=0)
     result = run_training_job(
         stub_spec(out), SHARDS, resources=res, state_dir=tmp_path / "job",
         policy=StaticPolicy(res, cpu_count=2), backend=stub_backend(max_restarts=0), timeout_s=120,
@@ -77,7 +77,7 @@ def test_run_training_job_with_two_real_processes(tmp_path):
 def test_crashed_worker_is_restarted_and_its_rows_come_back(tmp_path):
     """Rank 1 dies holding a lease; torchrun restarts the group; the new generation's first call
     takes back the dead leases at once (the lease timeout is far longer than the job's timeout)."""
-    res = ResourceConfig(workers=2, threads_per_worker=1, max_restarts=1)
+    res = ResourceConfig(policy="static", workers=2, threads_per_worker=1, max_restarts=1)
     result = run_training_job(
         stub_spec(tmp_path / "out", crash_rank=1), SHARDS, resources=res, state_dir=tmp_path / "job",
         policy=StaticPolicy(res, cpu_count=2), backend=stub_backend(max_restarts=1), timeout_s=120,
@@ -94,7 +94,7 @@ def test_crashed_worker_is_restarted_and_its_rows_come_back(tmp_path):
 
 
 def test_failing_worker_surfaces_the_log_tail(tmp_path):
-    res = ResourceConfig(workers=2, threads_per_worker=1, max_restarts=0)
+    res = ResourceConfig(policy="static", workers=2, threads_per_worker=1, max_restarts=0)
     with pytest.raises(JobFailedError) as err:
         run_training_job(
             stub_spec(tmp_path / "out", fail="stub worker failed on purpose: marker-7781"), SHARDS,

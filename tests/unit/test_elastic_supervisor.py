@@ -13,7 +13,7 @@ from test_elastic_local import SHARDS, stub_backend, stub_spec
 
 def test_a_group_that_never_starts_is_killed_relaunched_and_the_budget_ends_it(tmp_path):
     """The stub hangs before it ever calls the master: the startup timeout applies."""
-    res = ResourceConfig(workers=2, threads_per_worker=1, max_restarts=1)
+    res = ResourceConfig(policy="static", workers=2, threads_per_worker=1, max_restarts=1)
     with pytest.raises(JobFailedError) as err:
         run_training_job(
             stub_spec(tmp_path / "out", hang=True), SHARDS, resources=res, state_dir=tmp_path / "job",

@@ -41,6 +41,10 @@ class TrainConfig(StrictModel):
     sharding: Literal["auto", "table_wise", "column_wise", "data_parallel"] = "auto"
     fused_embeddings: bool = Field(True, description="FBGEMM TBE with the optimizer applied in backward")
     lease_timeout_s: float = Field(120.0, gt=0)
+    warm_start: Literal["auto", "champion", "scratch"] = Field(
+        "auto", description="continuous training: 'champion' starts from the current champion's weights and "
+        "optimizer state when its schema and plan match this run's (else from scratch, the reason logged); 'auto' "
+        "is 'champion' for scheduled runs and 'scratch' for manual ones; 'scratch' never warm-starts")
 
 
 class DLRoverConfig(StrictModel):
@@ -61,8 +65,10 @@ class ResourceConfig(StrictModel):
     workers: int = Field(2, ge=1)
     threads_per_worker: int = Field(1, ge=1)
     backend: Literal["local", "kubernetes"] = "local"
-    policy: Literal["static", "dlrover"] = "static"
-    max_restarts: int = Field(3, ge=0)
+    policy: Literal["static", "dlrover"] = Field(
+        "dlrover", description="dlrover: DLRover-RM plans the job (stage 1 from MLflow history) and adjusts it while "
+        "it trains (stages 2/3); static: exactly `workers` x `threads_per_worker`")
+    max_restarts: int = Field(3, ge=0, description="worker-group relaunches the job may spend before it fails")
     dlrover: DLRoverConfig = Field(default_factory=DLRoverConfig)
 
 
@@ -76,6 +82,16 @@ class CorunConfig(StrictModel):
     mapping: bool = Field(True, description="RAP's mapping (2+ workers): tables placed by the mapping MILP, each "
                           "table's ids preprocessed on its owner over the global batch, no input all-to-all "
                           "(recforge.rap.mapping.mapped_input)")
+
+
+class CheckpointConfig(StrictModel):
+    """Resumable checkpoints of the training job (recforge.train.recovery): what retries and relaunches resume from."""
+
+    every_steps: int = Field(
+        50, ge=0, description="periodic DCP checkpoint every this many optimizer steps; 0: only the final one (a "
+        "retry or relaunch then trains from scratch)")
+    flash: bool = Field(True, description="flash checkpoints: save to shared memory, persisted to disk by the agent")
+    keep: int = Field(2, ge=1, description="step checkpoints kept on disk")
 
 
 class PipelineConfig(StrictModel):
@@ -93,20 +109,27 @@ class PipelineConfig(StrictModel):
     max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
     champion_margin: float = Field(
         0.005, ge=0.0, description="AUC a new model may lose against the champion and still be promoted")
+    champion_min_auc: float = Field(
+        0.55, ge=0.0, le=1.0, description="absolute floor: a model below this held-out AUC is never promoted")
+    champion_min_rows: int = Field(
+        1000, ge=1, description="a model is promoted only when evaluated on at least this many held-out rows")
     preprocess_executor: Literal["eager", "fused", "dali"] = Field(
         "fused",
         description="preprocessing executor of the training workers (recforge.preprocess.executor.make_executor)")
     preprocess_plan: str = Field(
         "criteo", description="preprocessing plan: 'criteo' (RAP plan 0 over the dataset, tables capped by table_cap), "
         "a preset 'plan0'..'plan3', or a plan file path (.json/.yaml)")
-    preprocessing: Literal["inline", "corun", "offline"] = Field(
-        "inline", description="inline: each worker preprocesses a batch right before its step; corun: RAP, batch "
+    preprocessing: Literal["auto", "inline", "corun", "offline"] = Field(
+        "auto", description="auto: plan_resources profiles the job and picks corun when RAP's predicted iteration "
+        "time beats inline, else inline (recording both predictions and why); "
+        "inline: each worker preprocesses a batch right before its step; corun: RAP, batch "
         "i+1's fused kernels run inside step i's stages (recforge.rap); offline: the train task preprocesses the "
         "whole training data first, then trains from it")
     corun: CorunConfig = Field(default_factory=CorunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     resources: ResourceConfig = Field(default_factory=ResourceConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
     @field_validator("dataset_preset")
     @classmethod

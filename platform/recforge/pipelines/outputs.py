@@ -88,6 +88,16 @@ class CorunPlan(Record):
     mapping: MappingSummary | None = None
 
 
+class PreprocessingChoice(Record):
+    """Which preprocessing mode the run uses and why (config `preprocessing`; 'auto' decides by RAP's prediction)."""
+
+    requested: str = Field(description="as configured: auto | inline | corun | offline")
+    mode: str = Field(description="what the workers run: inline | corun | offline")
+    reason: str = Field(description="why this mode (auto: the two predictions compared; else: configured)")
+    predicted_inline_ms: float | None = Field(None, description="predicted iteration time, preprocessing inline")
+    predicted_corun_ms: float | None = Field(None, description="predicted iteration time, RAP co-run")
+
+
 class PlanOutputs(StageOutputs):
     stage: ClassVar[str] = "plan_resources"
 
@@ -99,8 +109,9 @@ class PlanOutputs(StageOutputs):
     preprocess_executor: str
     dlrover: dict[str, Any] | None = Field(
         None, description="policy 'dlrover': stage 1's state for the train task (DLRoverPolicy.stage1_state)")
+    preprocessing: PreprocessingChoice | None = Field(None, description="the mode the workers run, and why")
     corun: CorunPlan | None = None
-    # sections of the run page (plugins/README.md) for a stage that records them; none does today
+    # sections of the run page (plugins/README.md)
     rap_schedule: dict[str, Any] | None = Field(None, description="Gantt: {unit, tasks: [{name, lane, start, end}]}")
     fusion: dict[str, Any] | None = Field(None, description="RAP's CompiledPlan.summary()")
     resource_decisions: list[dict[str, Any]] | None = Field(None, description="resource events (Event.to_dict)")
@@ -153,6 +164,38 @@ class DLRoverRun(Record):
     executed: list[ExecutedDecision]
 
 
+class ExecutorRecord(Record):
+    """The preprocessing executor path that actually executed in the workers (not the one configured)."""
+
+    requested: str = Field(description="as configured: eager | fused | dali")
+    path: str = Field(description="what ran, e.g. cpp_single_pass | cpp_per_group | torch_fallback | eager | dali")
+    native_kernels: bool = Field(description="the C++ kernels (recforge_kernels) loaded and ran")
+    detail: dict[str, Any] = Field(default_factory=dict, description="per-group paths, DALI's fallbacks, ...")
+
+
+class CheckpointRecord(Record):
+    """Checkpoints of the training job: cadence, cost, and what was resumed from them."""
+
+    every_steps: int = Field(ge=0)
+    flash: bool
+    taken: int = Field(ge=0, description="step checkpoints taken (final one not counted)")
+    overhead_s: float = Field(ge=0, description="training time spent blocked on checkpoint saves")
+    overhead_fraction: float | None = Field(None, description="overhead_s / training wall time")
+    resumed_from_step: int | None = Field(None, description="the step a resumed attempt started from")
+    resumes: int = Field(0, ge=0, description="attempts of the train task that resumed from a checkpoint")
+    restarts: int = Field(0, ge=0, description="worker-group relaunches inside the job")
+    rows_retrained: int = Field(0, ge=0, description="rows trained again after a failure (work lost)")
+
+
+class WarmStartRecord(Record):
+    """Continuous training: whether the run started from the champion's weights, and why (not)."""
+
+    requested: str = Field(description="as configured: auto | champion | scratch")
+    used: bool
+    champion_version: str | None = None
+    reason: str
+
+
 class TrainOutputs(StageOutputs):
     stage: ClassVar[str] = "train"
 
@@ -164,9 +207,22 @@ class TrainOutputs(StageOutputs):
     samples_trained: list[int] = Field(description="samples per epoch")
     job: JobRecord
     dlrover: DLRoverRun | None = None
-    # sections of the run page (plugins/README.md) for a stage that records them; none does today
+    preprocessing: str | None = Field(None, description="the preprocessing mode the workers ran")
+    executor: ExecutorRecord | None = None
+    checkpoints: CheckpointRecord | None = None
+    warm_start: WarmStartRecord | None = None
+    # sections of the run page (plugins/README.md)
     rap_schedule: dict[str, Any] | None = Field(None, description="Gantt: {unit, tasks: [{name, lane, start, end}]}")
     resource_decisions: list[dict[str, Any]] | None = Field(None, description="resource events (Event.to_dict)")
+
+
+class ChampionScore(Record):
+    """The current champion scored on the same held-out day as the challenger."""
+
+    version: str
+    auc: float
+    logloss: float
+    rows: int = Field(ge=0)
 
 
 class EvaluateOutputs(StageOutputs):
@@ -177,6 +233,7 @@ class EvaluateOutputs(StageOutputs):
     ne: float = Field(description="normalized entropy")
     rows: int = Field(ge=0, description="held-out rows evaluated")
     auc_ceiling: float | None = Field(None, description="synthetic data: the held-out day's Bayes AUC")
+    champion: ChampionScore | None = Field(None, description="the champion on the same day (None: no champion yet)")
 
 
 # --- compile / publish ------------------------------------------------------------------------------------------
@@ -231,6 +288,8 @@ class PublishOutputs(StageOutputs):
     version: str
     promoted: bool = Field(description="became the champion")
     reason: str = Field(description="why it was (not) promoted")
+    challenger_auc: float | None = None
+    champion_auc: float | None = Field(None, description="the champion's AUC on the same held-out day")
     pipeline_run_id: str = Field(description="the run's parent MLflow run")
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 from recforge.pipelines.context import RunContext
 from recforge.pipelines.outputs import STAGE_OUTPUTS, StageOutputs
 from recforge.pipelines.stages.data import generate, ingest
+from recforge.pipelines.stages.evaluate import evaluate
 from recforge.pipelines.stages.plan import plan_resources
 from recforge.pipelines.stages.serve import compile_model, publish
-from recforge.pipelines.stages.train import evaluate, train
+from recforge.pipelines.stages.train import train
 
 STAGES = list(STAGE_OUTPUTS)  # generate, ingest, plan_resources, train, evaluate, compile, publish
 STAGE_FUNCTIONS = {

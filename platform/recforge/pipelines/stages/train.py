@@ -1,4 +1,4 @@
-"""Elastic TorchRec training under a job master, then evaluation on the held-out day."""
+"""Elastic TorchRec training under a job master; the trained model as later stages load it."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,8 +9,6 @@ from recforge.elastic.master.service import shard_rows_from_manifest
 from recforge.elastic.policy import StaticPolicy
 from recforge.pipelines.context import RunContext
 from recforge.pipelines.outputs import (
-    EvaluateOutputs,
-    GenerateOutputs,
     IngestOutputs,
     JobRecord,
     PlanOutputs,
@@ -107,23 +105,3 @@ def load_trained(ctx: RunContext):
     plan = Plan.load(Path(plan_out.plan_path))
     model = load_unsharded(ctx.config.model, plan_out.tables, plan_out.num_dense, ctx.read(TrainOutputs).checkpoint_dir)
     return model.eval(), plan
-
-
-def evaluate(ctx: RunContext) -> EvaluateOutputs:
-    data = ctx.read(IngestOutputs)
-    ceiling = ctx.read(GenerateOutputs).bayes_auc
-
-    def body(w, store, run_id):
-        from recforge.preprocess.executor import TorchExecutor  # lazy: torch off the UI/CLI import path
-        from recforge.train.metrics import evaluate as evaluate_model  # lazy: torch off the UI/CLI import path
-
-        model, plan = load_trained(ctx)
-        executor = TorchExecutor(plan, ctx.config.dataset())
-        metrics = evaluate_model(model, executor, data.holdout.manifest_dir, batch_size=4096)
-        out = EvaluateOutputs(auc=metrics["auc"], logloss=metrics["logloss"], ne=metrics["ne"], rows=metrics["rows"],
-                              auc_ceiling=ceiling[-1] if ceiling else None)
-        store.log_metrics(run_id, out.model_dump(include={"auc", "logloss", "ne", "rows", "auc_ceiling"},
-                                                 exclude_none=True))
-        return out
-
-    return run_stage(ctx, EvaluateOutputs, body)
