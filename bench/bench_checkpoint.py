@@ -13,8 +13,12 @@ wall time both ranks are away from training (measured on rank 0 between barriers
   torch.save (disk)    each rank torch.save()s its state_dict (local shards, pickled) + fsync
   torch.save no fsync  the same, left in the page cache
 
-and, off the training path, how long the flash agent takes to persist one snapshot to disk.
+and, off the training path, how long the flash agent takes to persist one snapshot to disk. It also times
+training steps of the same model at --batch-size rows per rank (model time only: no preprocessing, so a lower
+bound of a pipeline step) and reports each method's overhead at one checkpoint every --every-steps steps
+(default: the pipeline's CheckpointConfig.every_steps) as a share of training time.
 
+    recforge bench checkpoint --table-cap 100000 --batch-size 512     # the pipeline's default sizes
     python bench/bench_checkpoint.py --table-cap 20000 --repeats 7
 """
 from __future__ import annotations
@@ -87,21 +91,33 @@ def _worker(rank: int, port: int, args: dict, out: str) -> None:
     model_cfg = ModelConfig(embedding_dim=args["dim"], dense_arch=[64, args["dim"]], over_arch=[64, 32, 1])
     model = build_dlrm(model_cfg, tables, len(plan.dense_features()))
     sm = shard_model(model, TrainConfig(batch_size=64), world_size=WORLD, device=torch.device("cpu"))
-    # a few steps so every optimizer state exists
+    # a few steps so every optimizer state exists, then timed steps at the pipeline's batch size
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     g = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        b = 64
+
+    def batch(b):
         ids = torch.stack([torch.randint(0, n, (b,), generator=g) for _, n in tables], 1)
         kjt = KeyedJaggedTensor(keys=[t for t, _ in tables], values=ids.t().reshape(-1).contiguous(),
                                 lengths=torch.ones(b * len(tables), dtype=torch.int32), stride=b)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            sm.model(torch.randn(b, len(plan.dense_features()), generator=g), kjt).reshape(-1),
-            (torch.rand(b, generator=g) < 0.3).float())
+        return torch.randn(b, len(plan.dense_features()), generator=g), kjt, (torch.rand(b, generator=g) < 0.3).float()
+
+    def step(dense, kjt, labels):
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(sm.model(dense, kjt).reshape(-1), labels)
         loss.backward()
         sm.optimizer.step()
         sm.optimizer.zero_grad()
+
+    for _ in range(3):
+        step(*batch(64))
+    batches = [batch(args["batch_size"]) for _ in range(args["steps"])]
+    step_times = []
+    for b in batches:
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(*b)
+        dist.barrier()
+        step_times.append(time.perf_counter() - t0)
     local_bytes = _state_bytes(training_state(sm.model, sm.optimizer))
     sizes = [None] * WORLD
     dist.all_gather_object(sizes, local_bytes)
@@ -165,6 +181,7 @@ def _worker(rank: int, port: int, args: dict, out: str) -> None:
             persist.append(time.perf_counter() - t0)
             shutil.rmtree(save_dir, ignore_errors=True)
         Path(out).write_text(json.dumps({"times": times, "persist": persist, "state_bytes": sizes,
+                                         "step_times": step_times,
                                          "fast_saves": snap.fast_saves, "full_saves": snap.full_saves}))
     dist.barrier()
     dist.destroy_process_group()
@@ -176,7 +193,15 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--disk-dir", default=None, help="where disk checkpoints go (default: the system temp dir)")
+    p.add_argument("--batch-size", type=int, default=512, help="rows per rank of a timed training step")
+    p.add_argument("--steps", type=int, default=20, help="timed training steps")
+    p.add_argument("--every-steps", type=int, default=None,
+                   help="checkpoint cadence for the overhead column (default: the pipeline's checkpoint.every_steps)")
     args = p.parse_args()
+    if args.every_steps is None:
+        from recforge.config.pipeline import CheckpointConfig
+
+        args.every_steps = CheckpointConfig().every_steps
     import torch.multiprocessing as mp
 
     if args.disk_dir:
@@ -185,8 +210,9 @@ def main() -> None:
     shm = Path(tempfile.mkdtemp(prefix="recforge-bench-", dir="/dev/shm"))
     out = disk / "raw.json"
     try:
-        mp.spawn(_worker, args=(free_port(), {"table_cap": args.table_cap, "dim": args.dim, "repeats": args.repeats,
-                                               "disk_dir": str(disk), "shm_dir": str(shm)}, str(out)), nprocs=WORLD)
+        worker_args = {"table_cap": args.table_cap, "dim": args.dim, "repeats": args.repeats, "disk_dir": str(disk),
+                       "shm_dir": str(shm), "batch_size": args.batch_size, "steps": args.steps}
+        mp.spawn(_worker, args=(free_port(), worker_args, str(out)), nprocs=WORLD)
         raw = json.loads(out.read_text())
     finally:
         shutil.rmtree(disk, ignore_errors=True)
@@ -196,9 +222,14 @@ def main() -> None:
     total_mb = sum(raw["state_bytes"]) / 2**20
     print(f"training state: {total_mb:.1f} MiB over {WORLD} ranks "
           f"(tables capped at {args.table_cap} rows, dim {args.dim})")
-    print(f"{'method':24s} {'median stall s':>15s} {'x flash':>8s} {'MiB/s':>9s}")
+    step_s = statistics.median(raw["step_times"])
+    every = args.every_steps
+    overhead = {k: v / (every * step_s) if every else 0.0 for k, v in med.items()}
+    print(f"training step: {step_s * 1e3:.1f} ms median over {args.steps} steps of {args.batch_size} rows per rank; "
+          f"overhead at one checkpoint every {every} steps:")
+    print(f"{'method':24s} {'median stall s':>15s} {'x flash':>8s} {'MiB/s':>9s} {'overhead %':>11s}")
     for k, v in med.items():
-        print(f"{k:24s} {v:15.4f} {v / flash:8.2f} {total_mb / v:9.0f}")
+        print(f"{k:24s} {v:15.4f} {v / flash:8.2f} {total_mb / v:9.0f} {100 * overhead[k]:10.2f}%")
     persist = statistics.median(raw["persist"])
     print(f"{'agent persist (async)':24s} {persist:15.4f} {persist / flash:8.2f} {total_mb / persist:9.0f}"
           "  (off the training path)")
@@ -209,6 +240,8 @@ def main() -> None:
         "table_cap": args.table_cap, "embedding_dim": args.dim, "repeats": args.repeats,
         "state_mib": total_mb, "median_stall_s": med, "ratio_to_flash": {k: v / flash for k, v in med.items()},
         "agent_persist_median_s": persist, "raw": raw["times"], "machine": py_platform.platform(),
+        "batch_size": args.batch_size, "step_s_median": step_s, "every_steps": every,
+        "overhead_fraction": overhead, "step_times": raw["step_times"],
         "cpu_count": os.cpu_count(),
     }
     path = RESULTS / f"bench_checkpoint_{stamp}.json"

@@ -92,24 +92,6 @@ class RssSampler(threading.Thread):
         return out
 
 
-def embedding_bytes_per_rank(sharding_plan: dict, tables: list, dim: int, world: int) -> list[int]:
-    """Bytes of embedding weights each rank holds under the planner's choice (fp32)."""
-    rows = dict((name, int(n)) for name, n in tables)
-    per = [0] * world
-    for table, p in sharding_plan.items():
-        size = rows[table] * dim * 4
-        ranks = p["ranks"] or list(range(world))
-        if p["sharding_type"] == "data_parallel":
-            for r in range(world):
-                per[r] += size
-        elif p["sharding_type"] == "table_wise":
-            per[ranks[0]] += size
-        else:  # column_wise / row_wise / table_row_wise: split over the listed ranks
-            for r in ranks:
-                per[r] += size // len(ranks)
-    return per
-
-
 def prepare_data(root: Path, rows: int, seed: int):
     from recforge.config import dataset_preset
     from recforge.data.generator import generate_days
@@ -160,6 +142,8 @@ def run_point(root: Path, ds, manifest, plan_path: Path, tables, cfg: dict, rows
         sampler.stop()
     wall = time.perf_counter() - t0
     worker = json.loads((job_dir / "out" / "result.json").read_text())
+    from recforge.elastic.optimizer.models.memory_model import embedding_bytes_per_rank
+
     emb = embedding_bytes_per_rank(worker["sharding_plan"], tables, model.embedding_dim, w)
     point = {
         **cfg,
@@ -263,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def report_fit(path: Path) -> int:
     """Term selection, fit and held-out MAPE on a profile; writes <profile>.fit.json and a plot in bench/results."""
-    from recforge.elastic.optimizer.models.memory_model import MemoryModel, MemorySample
+    from recforge.elastic.optimizer.models.memory_model import (
+        DEFAULT_MEMORY_MODEL,
+        fit_or_prior,
+        profile_memory_samples,
+    )
     from recforge.elastic.optimizer.models.throughput_model import fit_profile, load_profile
 
     samples, cond = load_profile(path)
@@ -274,16 +262,9 @@ def report_fit(path: Path) -> int:
         r1 = fit_profile(one)
         out["threads_1_only"] = {"terms": list(r1.model.terms), "cv_mape": r1.selection.cv_mape,
                                  "held_out_mape": r1.held_out_mape, "n_train": len(r1.train)}
-    doc = json.loads(path.read_text())
-    mem = []
-    for p in doc["points"]:
-        for rank, m in (p.get("memory") or {}).items():
-            if rank != "-1" and "embedding_bytes_per_rank" in p and int(rank) < len(p["embedding_bytes_per_rank"]):
-                mem.append(MemorySample(p["embedding_bytes_per_rank"][int(rank)], p.get("steps", 0),
-                                        m["peak_rss_bytes"]))
-    if len(mem) >= 3:
-        mm = MemoryModel.fit(mem)
-        out["memory_model"] = mm.to_dict()
+    mem = profile_memory_samples(path)  # one run per point: the fit reports its leave-one-run-out error
+    if mem:
+        out["memory_model"] = fit_or_prior(mem, DEFAULT_MEMORY_MODEL).to_dict()
     print(json.dumps(out, indent=1))
     (path.with_suffix(".fit.json")).write_text(json.dumps(out, indent=1))
     try:

@@ -2,15 +2,21 @@
 
 Wiring only: every task calls a function in recforge.pipelines, which imports the heavy
 libraries (torch, torchrec, mlflow) inside the task, so parsing this file stays fast.
+
+Every Param is a PipelineConfig field (recforge.pipelines.dag_tasks.PARAM_FIELDS): its default, type, bounds,
+enum and description are read off the config. A conf key the DAG does not know, or a value of the wrong type or
+out of range, fails the task at once naming the Param; invalid input is never retried, other failures are
+retried once. A failed or cancelled task closes its MLflow runs as FAILED with the reason (tag recforge.error).
 """
 from __future__ import annotations
 
+import os
 from itertools import pairwise
 
 import pendulum
 from airflow.sdk import Param, dag, get_current_context, task
 
-from recforge.pipelines.dag_tasks import default_params, run_stage_from_context
+from recforge.pipelines.dag_tasks import close_open_runs, default_params, run_stage_from_context
 
 
 def _stage(name: str):
@@ -27,8 +33,12 @@ def _stage(name: str):
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
-    default_args={"retries": 1, "retry_delay": pendulum.duration(seconds=30)},
+    # RECFORGE_RETRY_DELAY_S: the end-to-end tests' services shorten the wait before a retry (default 30 s)
+    default_args={"retries": 1, "retry_delay": pendulum.duration(seconds=int(os.environ.get("RECFORGE_RETRY_DELAY_S",
+                                                                                            "30")))},
     params={name: Param(**spec) for name, spec in default_params().items()},
+    # a task process killed outright (SIGKILL, OOM) cannot close its MLflow runs; the failed DAG run's callback does
+    on_failure_callback=close_open_runs,
     tags=["recforge"],
     doc_md=__doc__,
 )

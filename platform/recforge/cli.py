@@ -11,13 +11,14 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from recforge.config import PipelineConfig, dataset_preset, load_config
 from recforge.demo import how_to_open, run_demo
 from recforge.elastic.simulate.cli import app as simulate_app
 from recforge.pipelines.context import RunContext
 from recforge.pipelines.runner import STAGE_FUNCTIONS, STAGES
-from recforge.pipelines.summary import summarize
+from recforge.pipelines.summary import fmt, summarize
 from recforge.preprocess.presets import load_plan
 from recforge.settings import repo_root
 
@@ -146,13 +147,20 @@ def run(run_key: str = typer.Option(None, help="default: local__<timestamp>"), c
     """Run the whole daily pipeline in this process, without Airflow."""
     ctx = _context(run_key or time.strftime("local__%Y%m%dT%H%M%S"), config, rows_per_day=rows_per_day)
     _run_stages(ctx, STAGES)
-    _print_summary(summarize(ctx))
+    _print_summary(summarize(ctx, _mlflow(ctx)))
 
 
 @app.command()
-def summary(run_key: str):
-    """Print the summary of a finished pipeline run."""
-    _print_summary(summarize(RunContext.create(run_key, PipelineConfig())))
+def summary(run_key: str, as_json: bool = typer.Option(False, "--json", help="print the summary as JSON")):
+    """What a pipeline run decided, did and measured, per system (a failed or running run: as far as it got)."""
+    ctx = RunContext.create(run_key, PipelineConfig())
+    if not ctx.run_dir.is_dir():
+        raise typer.BadParameter(f"no pipeline run {ctx.run_key!r} under {ctx.run_dir.parent}", param_hint="RUN_KEY")
+    data = summarize(ctx, _mlflow(ctx))
+    if as_json:
+        console.print_json(json.dumps(data, default=str))
+    else:
+        _print_summary(data)
 
 
 @app.command()
@@ -173,23 +181,56 @@ def bench(ctx: typer.Context, name: str = typer.Argument(..., help="e.g. generat
     raise typer.Exit(subprocess.call([sys.executable, str(script), *ctx.args]))
 
 
+def _mlflow(ctx: RunContext):
+    """What the summary reads from the run's MLflow runs."""
+    from recforge.ui.mlflow_view import MlflowView  # lazy: mlflow (seconds to import) only for a summary
+
+    return MlflowView(ctx.tracking_uri, ctx.experiment)
+
+
 def _progress() -> Progress:
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                     TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console)
 
 
+RESULT_FORMATS = {
+    "rows_ingested": "{:,}", "rows_quarantined": "{:,}", "train_samples_per_s": "{:,.0f} samples/s",
+    "train_steps": "{:,}", "final_train_loss": "{:.4f}", "holdout_auc": "{:.4f}", "holdout_logloss": "{:.4f}",
+    "holdout_ne": "{:.4f}", "auc_ceiling": "{:.4f}", "compile_speedup": "{:.2f}x", "train_wall_s": "{:.1f} s",
+}
+STATE_STYLE = {"complete": "green", "failed": "bold red", "running": "yellow", "incomplete": "dim"}
+SYSTEM_STYLE = {"used": "green", "not used": "dim", "not yet": "dim", "not run": "red"}
+
+
 def _print_summary(data: dict) -> None:
-    table = Table(title=f"recforge run {data.get('run_key')}", show_header=False)
-    fmt = {
-        "rows_ingested": "{:,}", "rows_quarantined": "{:,}", "train_samples_per_s": "{:,.0f} samples/s",
-        "holdout_auc": "{:.4f}", "holdout_logloss": "{:.4f}", "holdout_ne": "{:.4f}", "auc_ceiling": "{:.4f}",
-        "eager_latency_ms": "{:.3f} ms", "compiled_latency_ms": "{:.3f} ms", "compile_speedup": "{:.2f}x",
-        "compile_max_abs_diff": "{:.2e}", "train_wall_s": "{:.1f} s",
-    }
-    for key, value in data.items():
-        text = fmt[key].format(value) if key in fmt and value is not None else str(value)
-        table.add_row(key.replace("_", " "), text)
-    console.print(table)
+    """recforge.pipelines.summary.summarize's dict: the run's status, its results, then per system what it
+    decided, did and measured (or why it did not run)."""
+    status = data["status"]
+    console.print(Text.assemble((f"recforge run {data['run_key']}: ", "bold"),
+                                (status["text"], STATE_STYLE.get(status["state"], ""))))
+    results = Table(title="results", show_header=False, title_justify="left")
+    for key, value in data["results"].items():
+        text = RESULT_FORMATS[key].format(value) if key in RESULT_FORMATS and value is not None else fmt(value)
+        results.add_row(key.replace("_", " "), Text(text))
+    if data["results"]:
+        console.print(results)
+    for sec in data["systems"].values():
+        title = Text.assemble((sec["title"], "bold"), "  ", (sec["state"], SYSTEM_STYLE.get(sec["state"], "")))
+        rows = [(part if i == 0 else "", label, value) for part in ("decided", "did", "measured")
+                for i, (label, value) in enumerate(sec[part])]
+        if not rows:  # nothing but the note (which says the state in words): one line
+            console.print(Text.assemble((sec["title"], "bold"), ": ", (sec["note"] or sec["state"], "italic")))
+            continue
+        table = Table(title=title, show_header=False, title_justify="left", min_width=60,
+                      caption=Text(sec["note"], style="italic") if sec["note"] else None, caption_justify="left")
+        table.add_column(style="dim", width=9)
+        table.add_column()
+        table.add_column(overflow="fold")
+        for part, label, value in rows:
+            table.add_row(part, Text(str(label)), Text(fmt(value)))
+        console.print(table)
+    for problem in data.get("problems") or []:
+        console.print(Text.assemble(("note: ", "yellow"), problem))
 
 
 def main() -> None:  # pragma: no cover

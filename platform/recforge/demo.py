@@ -67,10 +67,16 @@ def run_demo(rows_per_day: int, workers: int, epochs: int, console: Console) -> 
         run_dir = run_dir or _newest_run_dir(runs, start)
         if run_dir is not None:
             bar.update(task, completed=sum((run_dir / s / "outputs.json").exists() for s in STAGES))
-    if proc.returncode != 0 or run_dir is None or not (run_dir / "publish" / "outputs.json").exists():
-        raise RuntimeError(f"the {DAG_ID} run did not finish (exit {proc.returncode}); see {log}:\n{_tail(log)}")
+    if run_dir is None:
+        raise RuntimeError(f"the {DAG_ID} run wrote no outputs (exit {proc.returncode}); see {log}:\n{_tail(log)}")
     ctx = RunContext.create(run_dir.name, PipelineConfig(**{"rows_per_day": rows_per_day}), home=home)
-    return summarize(ctx)
+    from recforge.ui.mlflow_view import MlflowView  # lazy: mlflow (seconds to import) once the run is done
+
+    summary = summarize(ctx, MlflowView(ctx.tracking_uri, ctx.experiment))
+    if proc.returncode != 0 or not (run_dir / "publish" / "outputs.json").exists():
+        raise RuntimeError(f"the {DAG_ID} run did not finish (exit {proc.returncode}): {summary['status']['text']}; "
+                           f"`recforge summary {ctx.run_key}` shows how far it got; see {log}:\n{_tail(log)}")
+    return summary
 
 
 def how_to_open() -> str:

@@ -126,8 +126,16 @@ def test_trigger_from_the_ui_then_browse_recforge_and_mlflow(live, browser):
     assert set(states.values()) == {"done"} and len(states) == 7, states
     chains = browser.find_element(By.ID, "plan-chains").text
     assert "fill_null → sigrid_hash → firstx" in chains and "fill_null → logit" in chains, chains
+    assert browser.find_element(By.ID, "run-status").get_attribute("data-state") == "complete"
+    # per system what it decided, did and measured (or, in words, why it did not run); the training curve
+    systems = {e.get_attribute("data-system"): e.get_attribute("data-state")
+               for e in browser.find_elements(By.CSS_SELECTOR, "[data-system]")}
+    assert set(systems) == {"rap", "dlrover", "recom", "checkpoints", "executor", "warm_start", "gate"}, systems
+    assert set(systems.values()) <= {"used", "not used"} and systems["recom"] == systems["gate"] == "used", systems
+    assert browser.find_elements(By.CSS_SELECTOR, "svg[data-metric='train_loss'] polyline")
     body = browser.find_element(By.TAG_NAME, "body").text
-    for text in ("speedup vs eager", "max |compiled - eager|", "AUC ceiling (Bayes-optimal)", "recforge-dlrm v"):
+    for text in ("speedup vs eager", "max |compiled - eager|", "AUC ceiling (Bayes-optimal)", "recforge-dlrm v",
+                 "challenger AUC"):
         assert text in body, text
     browser.switch_to.default_content()
     shot("recforge_run")

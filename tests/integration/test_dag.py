@@ -44,7 +44,9 @@ def test_dagbag_imports_cleanly_and_without_heavy_modules(airflow_home):
         "heavy = sorted(m for m in ('torch', 'torchrec', 'mlflow', 'pyarrow') if m in sys.modules)\n"
         "print(json.dumps({'errors': {k: str(v) for k, v in bag.import_errors.items()}, 'heavy': heavy,\n"
         "  'tasks': sorted(dag.task_ids),\n"
-        "  'schedule': str(dag.schedule), 'catchup': dag.catchup, 'params': sorted(dag.params.keys())}))\n"
+        "  'schedule': str(dag.schedule), 'catchup': dag.catchup, 'params': sorted(dag.params.keys()),\n"
+        "  'workers': dag.params.get_param('workers').schema, 'retries': dag.default_args['retries'],\n"
+        "  'on_failure': getattr(dag.on_failure_callback, '__name__', None)}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     info = json.loads(out.stdout.strip().splitlines()[-1])
@@ -52,7 +54,11 @@ def test_dagbag_imports_cleanly_and_without_heavy_modules(airflow_home):
     assert info["heavy"] == [], "parsing the DAG must not import heavy libraries"
     assert set(info["tasks"]) == {"generate", "ingest", "plan_resources", "train", "evaluate", "compile", "publish"}
     assert info["schedule"] == "@daily" and info["catchup"] is False
-    assert {"dataset_preset", "rows_per_day", "workers", "epochs", "batch_size", "seed"} <= set(info["params"])
+    assert {"dataset_preset", "rows_per_day", "workers", "epochs", "batch_size", "seed", "resources_policy",
+            "preprocessing", "corun_mapping", "preprocess_executor", "preprocess_plan", "max_restarts",
+            "checkpoint_every_steps", "checkpoint_flash", "warm_start", "champion_min_auc"} <= set(info["params"])
+    assert info["workers"] == {"type": "integer", "minimum": 1}  # bounds from the config field
+    assert info["retries"] == 1 and info["on_failure"] == "close_open_runs"
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """The daily pipeline under resources.policy = "dlrover": the train task runs DLRover-RM stage 2 while the
 real TorchRec workers train, the decision is executed (a rescale), every row is trained exactly once,
-and every decision is an event in the train task's MLflow run; the run's model is registered."""
+and every decision is an event in the train task's MLflow run with stage 1's predictions against the measured
+throughput and worker peak memory; the run's models (the memory model fitted on the workers' measured peaks) are
+registered, and the next run's stage 1 loads them."""
 from __future__ import annotations
 
 import json
@@ -15,6 +17,7 @@ ROWS = 8000
 def test_dlrover_daily_run_rescales_during_training_and_logs_its_decisions(recforge_home):
     from recforge.data.manifest import Manifest
     from recforge.pipelines.context import RunContext
+    from recforge.pipelines.hooks.resource_planning import plan_with_dlrover
     from recforge.pipelines.outputs import IngestOutputs
     from recforge.pipelines.stages.data import generate, ingest
     from recforge.pipelines.stages.plan import plan_resources
@@ -49,7 +52,7 @@ def test_dlrover_daily_run_rescales_during_training_and_logs_its_decisions(recfo
     # per-sample accounting across the relaunch: every row of the day in the lineage exactly once, trained once
     manifest = Manifest.load(ctx.read(IngestOutputs).train.manifest_dir)
     rows = {(0, s, r) for s, info in enumerate(manifest.shards) for r in range(info.rows)}
-    a = audit(ctx.stage_dir("train") / "ledger")
+    a = audit(ctx.stage_dir("train") / "job" / "ledger")  # the job files the train task keeps
     assert set(a.lineage) == rows and set(a.lineage.values()) == {1}
     assert set(a.trained) == rows and sum(a.trained.values()) == ROWS  # a graceful stop redoes nothing
     assert out.samples_trained == [ROWS]
@@ -70,3 +73,27 @@ def test_dlrover_daily_run_rescales_during_training_and_logs_its_decisions(recfo
 
     pred = pyfunc.predict(pd.DataFrame({"workers": [8], "cpu_per_worker": [1], "batch_size": [64]}))
     assert pred["samples_per_s"].iloc[0] > 0
+
+    # predicted vs measured: throughput at each plan that ran, and the workers' peak memory (RSS) of the last one
+    d = out.dlrover
+    assert {e.action for e in d.decisions if e.executed} == {e.action for e in executed}
+    assert [(p.workers, p.measured_samples_per_s) for p in d.plans] == [(w, measured[w]) for w in measured]
+    assert all(p.predicted_samples_per_s and p.predicted_samples_per_s > 0 for p in d.plans)
+    peaks = d.memory.measured_peak_bytes
+    assert len(peaks) == out.world_size and min(peaks) > 100 * 2**20 and d.memory.predicted_peak_bytes > 0
+    assert d.memory.predicted_by.startswith("no similar run: prior (committed profile")
+    fitted = d.memory.fitted
+    assert fitted["source"].startswith("fitted on 1 measured peaks of 1 run(s)")
+    assert fitted["fit_mape"] < 0.01  # one peak: the prior's shape calibrated to it
+    m = run.data.metrics
+    assert m["dlrover.measured_peak_memory_bytes"] == max(peaks) and m["dlrover.memory_model.fitted"] == 1.0
+    assert m["dlrover.predicted_samples_per_s.w2t1"] == d.plans[0].predicted_samples_per_s
+    print(f"DLRover memory: predicted {d.memory.predicted_peak_bytes / 2**20:.0f} MiB, measured "
+          f"{[round(p / 2**20) for p in peaks]} MiB; fitted {fitted}")
+
+    # the next run's stage 1 loads the fitted memory model and the measured peaks from the registered version
+    _, state = plan_with_dlrover(store, store.stage_run(ctx.experiment, "dlrover-day-2", "plan_resources"), ctx.config,
+                                 plan.tables, ROWS)
+    assert state["memory"]["source"] == fitted["source"] and state["memory"]["base_bytes"] == fitted["base_bytes"]
+    assert f"registered {registered_name('criteo_kaggle', 'dlrm')} v1" in state["memory_source"]
+    assert [p["rss_bytes"] for p in state["memory_points"]] == peaks

@@ -1,6 +1,7 @@
 """The daily pipeline's train task with `preprocessing: corun` (raw shards in, RAP co-running in the workers, the
-schedule and predicted vs measured iteration time in MLflow) and `offline` (the training data preprocessed first):
-same seeds, same model as inline preprocessing."""
+schedule and predicted vs measured iteration time in MLflow), `auto` on a job with no stored profile (the cold
+decision: the bound, or the profile, both predictions and the choice recorded, the chosen mode run) and `offline`
+(the training data preprocessed first): same seeds, same model."""
 from __future__ import annotations
 
 import json
@@ -13,17 +14,20 @@ from recforge.pipelines.context import RunContext
 from recforge.pipelines.stages.data import generate, ingest
 from recforge.pipelines.stages.plan import plan_resources
 from recforge.pipelines.stages.train import train
+from recforge.rap.planning.choice import CORUN_MARGIN, StepBound, choose_by_bound
 from recforge.rap.profiling.profiler import ProfileKey, StageProfile
 from recforge.rap.profiling.stages import STAGES
 from recforge.tracking import TrackingStore
 from recforge.train.result import WorkerResult
+from recforge.ui import charts
 
 pytestmark = pytest.mark.slow
 
 
-def _ctx(home, key, preprocessing, workers=1):
+def _ctx(home, key, preprocessing, workers=1, **extra):
     cfg = {"rows_per_day": 1200, "rows_per_shard": 600, "seed": 3, "table_cap": 500, "preprocessing": preprocessing,
-           "resources": {"workers": workers}, "train": {"batch_size": 128, "log_every": 2, "batches_per_task": 2}}
+           "resources": {"workers": workers, "policy": "static"},  # DLRover-RM would replan the worker count
+           "train": {"batch_size": 128, "log_every": 2, "batches_per_task": 2}, **extra}
     return RunContext.create(key, cfg, home=home)
 
 
@@ -73,17 +77,59 @@ def test_train_task_runs_corun_and_offline(recforge_home):
     assert "rap_stage_ms.mlp_bwd" in m and m["rap_measured_stage_sum_ms"] > 0
     arts = {a.path for a in TrackingStore().client.list_artifacts(run.info.run_id, "rap")}
     assert {"rap/schedule.json", "rap/schedule.png", "rap/schedule_measured.png", "rap/corun_summary.json"} <= arts
+    # configured corun: recorded as such, with both predictions; the run page's Gantt and fused groups
+    choice = planned.preprocessing
+    assert (choice.requested, choice.mode, choice.reason) == ("corun", "corun", "configured")
+    assert choice.predicted_corun_ms == corun.predicted_iteration_ms and choice.predicted_inline_ms > 0
+    assert {t["lane"] for t in planned.rap_schedule["tasks"]} >= {"train", "preprocess"}
+    assert charts.gantt(planned.rap_schedule)["bars"] and planned.fusion["launches"] == len(planned.fusion["groups"])
+    assert out.preprocessing == "corun" and "kernels (measured)" in {t["lane"] for t in out.rap_schedule["tasks"]}
+    assert m["preprocessing_predicted_step_ms"] == pytest.approx(choice.predicted_corun_ms)
+    assert run.data.params["preprocessing_mode"] == "corun" and m["preprocessing_measured_step_ms"] > 0
 
-    # the same job with inline preprocessing trains to the same weights (the co-run ids are the ones consumed)
-    _, inline = _run(_ctx(recforge_home, "inline", "inline"))
-    assert inline.steps == out.steps
+    # preprocessing auto on the same job, cold (a profile folder of its own, empty): decided by the bound (co-run
+    # could save at most the preprocessing's share of a step measured on one rank) or, when that does not settle
+    # it, by profiling; both predictions and the reason recorded, and the train task runs the chosen mode (inline
+    # and co-run train the same weights: the probe below)
+    auto_profiles = recforge_home / "auto_profiles"
+    auto_plan, auto = _run(_ctx(recforge_home, "auto", "auto", corun={"profile_dir": str(auto_profiles)}))
+    choice = auto_plan.preprocessing
+    assert choice.requested == "auto" and choice.mode in ("inline", "corun")
+    assert choice.predicted_inline_ms > 0 and choice.predicted_corun_ms > 0
+    runs = TrackingStore().stage_runs("recforge_daily", "auto")
+    plan_run, train_run = runs["plan_resources"].data, runs["train"].data
+    assert plan_run.params["preprocessing_requested"] == "auto" and plan_run.params["preprocessing_mode"] == choice.mode
+    assert plan_run.tags["preprocessing_reason"] == choice.reason
+    assert plan_run.metrics["preprocessing_predicted_corun_ms"] == pytest.approx(choice.predicted_corun_ms)
+    assert plan_run.metrics["preprocessing_predicted_inline_ms"] == pytest.approx(choice.predicted_inline_ms)
+    bound = StepBound(plan_run.metrics["preprocessing_train_bound_ms"],
+                      plan_run.metrics["preprocessing_predicted_inline_prep_ms"])
+    assert choice.bound == (choose_by_bound("auto", bound) is not None)  # the bound decided exactly when it could
+    stored = list(auto_profiles.glob("*.json"))
+    if choice.bound:  # inline without profiling; the predictions are the bound's
+        assert choice.mode == "inline" and choice.reason.endswith("not profiled") and not stored
+        assert choice.predicted_corun_ms == pytest.approx(bound.train_lb_ms, abs=1e-3)
+        assert choice.predicted_inline_ms == pytest.approx(bound.train_lb_ms + bound.inline_prep_ms, abs=1e-3)
+        assert plan_run.params["preprocessing_predicted_by"] == "bound"
+        assert plan_run.metrics["preprocessing_profile_s"] == 0
+    else:  # profiled (and stored for the next run), then predicted from the profile
+        assert len(stored) == 1 and plan_run.metrics["preprocessing_profile_s"] > 0
+        assert choice.reason.startswith("auto: corun predicted")
+        assert plan_run.params["preprocessing_predicted_by"] == "profile"
+        assert (choice.mode == "corun") == (
+            choice.predicted_corun_ms < choice.predicted_inline_ms * (1 - CORUN_MARGIN))
+    assert auto.preprocessing == choice.mode == train_run.params["preprocessing_mode"]
+    auto_worker = WorkerResult.load(recforge_home / "runs" / "recforge_daily" / "auto" / "train" / "worker")
+    assert (auto_worker.rap is not None) == (choice.mode == "corun") == (auto_plan.corun is not None)
+    assert (auto.rap_schedule is not None) == (choice.mode == "corun")
+    assert auto.steps == out.steps
     # and with the whole training data preprocessed first (offline), to float tolerance (whole shards at once)
     _, offline = _run(_ctx(recforge_home, "offline", "offline"))
     assert offline.steps == out.steps
     probe = {k: torch.load(recforge_home / "runs" / "recforge_daily" / k / "train" / "worker" / "probe.pt")
-             for k in ("corun", "inline", "offline")}
-    assert torch.equal(probe["corun"]["logits"], probe["inline"]["logits"])
-    torch.testing.assert_close(probe["offline"]["logits"], probe["inline"]["logits"], rtol=1e-4, atol=1e-5)
+             for k in ("corun", "auto", "offline")}
+    assert torch.equal(probe["corun"]["logits"], probe["auto"]["logits"])
+    torch.testing.assert_close(probe["offline"]["logits"], probe["auto"]["logits"], rtol=1e-4, atol=1e-5)
     off_run = TrackingStore().stage_runs("recforge_daily", "offline")["train"]
     assert off_run.data.metrics["offline_preprocess_s"] > 0
     # the preprocessed copy is gone once the job trained (it was there: its size is logged)
@@ -129,5 +175,9 @@ def test_corun_with_rap_mapping_on_two_workers(recforge_home):
     assert worker.rap["batches"] == 6 and worker.rap["stages_opened_by_step"] > 0
     run = TrackingStore().stage_runs("recforge_daily", "mapped")["plan_resources"]
     assert "rap_mapping_imbalance_after" in run.data.metrics
+    assert "preprocess: local" in {t["lane"] for t in planned.rap_schedule["tasks"]}  # rank 0's two jobs
+    train_metrics = TrackingStore().stage_runs("recforge_daily", "mapped")["train"].data.metrics
+    assert train_metrics["rap_mapping_imbalance_after"] == pytest.approx(corun.mapping.imbalance_after)
+    assert train_metrics["preprocessing_predicted_step_ms"] == pytest.approx(corun.mapping.predicted_iteration_ms)
     arts = {a.path for a in TrackingStore().client.list_artifacts(run.info.run_id, "rap")}
     assert {"rap/corun_mapping.json", "rap/schedule_rank0_local.png"} <= arts

@@ -207,6 +207,13 @@ def test_every_row_is_trained_once_per_epoch(job):
     assert worker["samples_per_s"] > 0 and math.isfinite(worker["final_loss"])
 
 
+def test_the_preprocessing_path_that_ran_is_recorded_and_native(job):
+    # CPU, C++ kernels built: the criteo plan runs as one fused_chain call per batch; a silent fallback fails here
+    ex = job["worker"]["executor"]
+    assert (ex["requested"], ex["path"], ex["native_kernels"]) == ("fused", "cpp_single_pass", True)
+    assert 0 < ex["detail"]["batches"]["cpp_single_pass"] <= job["worker"]["steps"]  # rank 0's training batches
+
+
 def test_rank0_logs_training_metrics_to_mlflow(job):
     client, run_id, log_every = job["store"].client, job["run_id"], job["train"].log_every
     loss = client.get_metric_history(run_id, "train_loss")

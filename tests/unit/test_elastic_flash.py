@@ -23,6 +23,7 @@ from recforge.train.recovery.layout import (
     prune,
     step_name,
     write_checksums,
+    write_done_marker,
 )
 
 
@@ -44,6 +45,17 @@ def test_memory_snapshot_is_complete_only_with_every_rank_marker(tmp_path):
     d = tmp_path / step_name(30)
     d.mkdir()
     assert "no metadata" in memory_problem(d)
+
+
+def test_memory_snapshot_markers_carry_the_sizes_each_rank_wrote(tmp_path):
+    d = snapshot(tmp_path, 40)
+    for r in (0, 1):
+        write_done_marker(d, r)
+    assert json.loads((d / done_marker(1)).read_text()) == {"__1_0.distcp": 1001}
+    assert set(json.loads((d / done_marker(0)).read_text())) == {"__0_0.distcp", ".metadata", META_FILE}
+    assert memory_problem(d) is None
+    (d / "__1_0.distcp").write_bytes(b"cut short")
+    assert memory_problem(d) == "flash checkpoint file __1_0.distcp has 9 bytes, rank 1 wrote 1001"
 
 
 def test_disk_checksums_catch_corruption_truncation_and_missing_files(tmp_path):

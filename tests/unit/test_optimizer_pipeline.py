@@ -82,3 +82,41 @@ def test_a_straggling_worker_in_the_run_is_flagged_and_no_throughput_is_a_fallba
     assert model is None and any(e.action == "fallback" and "no throughput" in e.reason for e in events)
     events, _, _ = recommend_after_run({**st, "prior": {"terms": ["nope"], "coef": [1.0]}}, {"samples_per_s": 5.0})
     assert events  # a corrupt stage-1 state never raises
+
+
+def test_stage1_takes_the_newest_fitted_memory_model_and_skips_priors_kept_for_lack_of_points():
+    from recforge.elastic.optimizer.models.memory_model import DEFAULT_MEMORY_MODEL, MemoryModel, fit_or_prior
+
+    fitted = MemoryModel(0.7 * GiB, 1.5, 0.0, source="fitted on 6 measured peaks of 2 run(s)", n_runs=2)
+    kept = fit_or_prior([], DEFAULT_MEMORY_MODEL)
+    recs = [JobRecord("criteo_kaggle", "dlrm", PodPlan(1, 1.0, GiB, 512).to_dict(), memory=m, finished_at=t,
+                      run_id=f"r{t}") for t, m in ((1, fitted), (2, kept))]
+    out = _plan(history=InMemoryHistory(recs))
+    assert MemoryModel.from_dict(out["state"]["memory"]).base_bytes == 0.7 * GiB
+    assert out["state"]["memory_source"].startswith("fitted memory model of run r1")
+    cold = _plan()  # no history: the committed profile's fit, named as a prior
+    assert cold["state"]["memory_source"].startswith("no similar run: prior (committed profile")
+    assert json.dumps(cold["state"])
+
+
+def test_a_cold_start_request_above_this_machine_gets_the_default_models_plan_within_it():
+    out = _plan(resources=ResourceConfig(workers=4, threads_per_worker=2, policy="dlrover"))
+    assert out["workers"] * out["threads_per_worker"] <= 2
+    ev = out["events"][0]
+    assert "exceeds the limits (2 cores): the default model's best plan" in ev.reason
+    assert ev.plan_after["workers"] == ev.prediction["default_model_suggests"]["workers"]
+
+
+def test_the_workers_peaks_become_memory_points_with_the_embedding_bytes_each_rank_held():
+    from recforge.pipelines.hooks.resource_planning import memory_points
+    from recforge.train.result import ResumedFrom, TableSharding, WorkerResult
+
+    state = _plan()["state"]
+    plan = {"C1": TableSharding(sharding_type="data_parallel", compute_kernel="dense", ranks=[0, 1]),
+            "C2": TableSharding(sharding_type="table_wise", compute_kernel="fused", ranks=[1])}
+    worker = WorkerResult.model_construct(world_size=2, steps=120, sharding_plan=plan, peak_rss_bytes=[6e8, 7e8],
+                                          resumed_from=ResumedFrom(path="x", step=20, source="disk"))
+    pts = memory_points(state, worker, run="r1")
+    assert [(p.embedding_bytes, p.step, p.rss_bytes, p.run) for p in pts] == [
+        (1000 * 16 * 4, 100, 6e8, "r1"), ((1000 + 50_000) * 16 * 4, 100, 7e8, "r1")]
+    assert memory_points(state, worker.model_copy(update={"peak_rss_bytes": None}), "r1") == []

@@ -86,8 +86,10 @@ def test_run_params_name_executor_plan_groups_and_dali_fallbacks():
     ds = preset_dataset("plan2")
     params, summary = preprocess_params(load_plan("plan2", ds), ds, "dali", "plan2")
     assert params["preprocess_executor"] == "dali" and params["preprocess_plan"] == "plan2"
-    assert params["preprocess_plan_name"] == "rap_plan2" and params["preprocess_fused_groups"] == len(summary["groups"])
-    assert "L0:fill_null_densex39" in params["preprocess_groups"]
+    assert params["preprocess_plan_name"] == "rap_plan2"
+    assert params["preprocess_planned_groups"] == len(summary["groups"]) and summary["planned"] is True
+    assert "L0:fill_null_densex39" in params["preprocess_planned_group_names"]
+    assert not any(k in params for k in ("preprocess_fused_groups", "preprocess_groups"))  # planned, not run
     assert params["preprocess_dali_fallback_ops"] == summary["dali"]["fallback_ops"] > 0
     assert "onehot" in params["preprocess_dali_fallback"] and "select" in summary["dali"]["fallback_reasons"][
         "boxcox_dense"]

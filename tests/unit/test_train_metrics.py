@@ -11,7 +11,15 @@ from recforge.data.generator import generate_days
 from recforge.data.ingest import ingest
 from recforge.preprocess.executor import TorchExecutor
 from recforge.preprocess.planning.plan import criteo_plan
-from recforge.train.metrics import auc, base_entropy, evaluate, logloss, normalized_entropy, predict
+from recforge.train.metrics import (
+    NonFiniteMetricsError,
+    auc,
+    base_entropy,
+    evaluate,
+    logloss,
+    normalized_entropy,
+    predict,
+)
 from recforge.train.model import build_dlrm
 
 
@@ -65,9 +73,16 @@ SMALL = DatasetConfig(
 )
 
 
-def test_evaluate_over_a_manifest_is_batch_size_invariant(tmp_path):
-    generate_days(SMALL, tmp_path / "raw", days=1, rows_per_day=1500, seed=0)
-    ingest([tmp_path / "raw" / "day_0.tsv"], SMALL, tmp_path / "data", rows_per_shard=600, max_bad_fraction=0.0)
+@pytest.fixture(scope="module")
+def small_manifest(tmp_path_factory):
+    root = tmp_path_factory.mktemp("metrics")
+    generate_days(SMALL, root / "raw", days=1, rows_per_day=1500, seed=0)
+    ingest([root / "raw" / "day_0.tsv"], SMALL, root / "data", rows_per_shard=600, max_bad_fraction=0.0)
+    return root
+
+
+def test_evaluate_over_a_manifest_is_batch_size_invariant(small_manifest):
+    tmp_path = small_manifest
     plan = criteo_plan(SMALL, table_cap=100)
     torch.manual_seed(0)
     model = build_dlrm(ModelConfig(embedding_dim=4, dense_arch=[8, 4], over_arch=[8, 1]), plan.tables(), 2)
@@ -81,3 +96,14 @@ def test_evaluate_over_a_manifest_is_batch_size_invariant(tmp_path):
     assert a["auc"] == pytest.approx(roc_auc_score(y, z))
     assert a["logloss"] == pytest.approx(log_loss(y, _sigmoid(z.astype(np.float64))), rel=1e-6)
     assert model.training  # evaluate restores the mode it found
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_evaluate_fails_on_a_model_with_non_finite_weights(small_manifest, poison):
+    plan = criteo_plan(SMALL, table_cap=100)
+    torch.manual_seed(0)
+    model = build_dlrm(ModelConfig(embedding_dim=4, dense_arch=[8, 4], over_arch=[8, 1]), plan.tables(), 2)
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[:4] = poison  # as a corrupted checkpoint would leave it
+    with pytest.raises(NonFiniteMetricsError, match=r"logits are not finite on \d+ of 1500 rows"):
+        evaluate(model, TorchExecutor(plan, SMALL), small_manifest / "data", batch_size=512)

@@ -74,3 +74,44 @@ def test_step_series_draws_a_step_line_through_every_point():
     by_decision = charts.step_series([(0, 2), (1, 2), (2, 1)], "workers", x_label="decision")
     assert [t["label"] for t in by_decision["x_ticks"]] == ["decision 0", "decision 1", "decision 2"]
     assert charts.step_series([], "workers") is None
+
+
+def test_corun_gantt_stacks_each_stages_kernels_from_its_start_and_marks_what_is_not_hidden():
+    stage_ms = {"emb_fwd": 4.0, "mlp_fwd": 2.0}
+    capacity_ms = {"emb_fwd": 3.0, "mlp_fwd": 2.0}
+    schedule = {"stages": ["emb_fwd", "mlp_fwd"], "assignments": [
+        {"stage": "emb_fwd", "group": "g0", "predicted_ms": 1.5},
+        {"stage": "emb_fwd", "group": "g1", "predicted_ms": 2.0},
+        {"stage": "mlp_fwd", "group": "g2", "predicted_ms": 0.5}]}
+    tasks = charts.corun_gantt(schedule, stage_ms, capacity_ms)["tasks"]
+    spans = [(t["name"], t["lane"], t["start"], t["end"], t["kind"]) for t in tasks]
+    assert spans == [("emb_fwd", "train", 0.0, 4.0, "training stage"), ("mlp_fwd", "train", 4.0, 6.0, "training stage"),
+                     ("g0", "preprocess", 0.0, 1.5, "hidden"), ("g1", "preprocess", 1.5, 3.5, "not hidden"),
+                     ("g2", "preprocess", 4.0, 4.5, "hidden")]
+    assert len(charts.gantt({"unit": "ms", "tasks": tasks})["bars"]) == 5
+
+
+@pytest.mark.parametrize("schedule,stage_ms,message", [
+    ({"stages": ["a"]}, {"a": 1.0}, "no assignment list"),
+    ({"stages": ["a"], "assignments": []}, None, "no stage times"),
+    ({"stages": ["a"], "assignments": [{"stage": "b", "predicted_ms": 1}]}, {"a": 1.0}, "#0 names no stage"),
+    ({"stages": ["a"], "assignments": []}, {"a": "x"}, "'ms' must be a finite number"),
+    ({"stages": ["a"], "assignments": [{"stage": "a", "predicted_ms": None}]}, {"a": 1.0}, "'predicted_ms'"),
+])
+def test_corun_gantt_names_what_is_wrong(schedule, stage_ms, message):
+    with pytest.raises(charts.ChartError, match=message):
+        charts.corun_gantt(schedule, stage_ms, {"a": 1.0})
+
+
+def test_line_series_spans_the_values_and_skips_what_is_not_finite():
+    c = charts.line_series([(0, 0.7), (1, 0.6), (2, math.nan), (3, 0.5)], "train loss")
+    xs_ys = [tuple(map(float, p.split(","))) for p in c["polyline"].split()]
+    assert len(xs_ys) == 3 and c["points"] == 3
+    assert xs_ys[0][0] == pytest.approx(charts.LABEL_W) and xs_ys[-1][0] == pytest.approx(
+        charts.WIDTH - charts.STEP_PAD)
+    assert xs_ys[0][1] == pytest.approx(10) and xs_ys[-1][1] == pytest.approx(c["axis_y"])  # top = max, bottom = min
+    assert all(a[1] < b[1] for a, b in pairwise(xs_ys))  # loss falls: the line goes down
+    assert c["last"]["title"] == "step 3: train loss 0.5"
+    flat = charts.line_series([(0, 1.0), (5, 1.0)], "auc")
+    assert len({p.split(",")[1] for p in flat["polyline"].split()}) == 1
+    assert charts.line_series([], "x") is None and charts.line_series([(0, math.inf)], "x") is None

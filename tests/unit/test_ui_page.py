@@ -20,10 +20,24 @@ from recforge.pipelines.outputs import (
     StageOutputs,
     TrainOutputs,
 )
+from recforge.pipelines.summary import summarize
 from recforge.preprocess.planning.plan import criteo_plan
 from recforge.tracking import TrackingStore
+from recforge.tracking.store import ERROR_TAG, FAILED_STAGE_TAG
 from recforge.ui.app import create_app
 from recforge.ui.links import mlflow_base
+from recforge.ui.mlflow_view import MlflowView
+from ui_run_fixtures import (
+    CORUN,
+    FAILED,
+    GROUPS,
+    INLINE,
+    RUNNING,
+    TRAIN_ERROR,
+    corun_run,
+    inline_run,
+    stopped_at_train,
+)
 
 EVIL = '<script>alert("x")</script>'
 EVIL_IMG = "<img src=x onerror=alert(1)>"
@@ -127,11 +141,68 @@ def _partial_run(home, store: TrackingStore) -> dict:
     return ids
 
 
+ALL_STAGES = ["generate", "ingest", "plan_resources", "train", "evaluate", "compile", "publish"]
+LOSS = [0.69 - 0.01 * i for i in range(12)]  # train_loss per step, as the training loop logs it
+
+
+def _log_curve(store: TrackingStore, run_id: str) -> None:
+    for step, loss in enumerate(LOSS):
+        store.log_metrics(run_id, {"train_loss": loss, "train_auc": 0.5 + 0.01 * step}, step=step)
+    store.log_metrics(run_id, {"train_loss": LOSS[5]}, step=5)  # a resumed attempt logs step 5 again
+
+
+def _corun_run(home, store: TrackingStore) -> dict:
+    """Every system used; DLRover-RM's events recorded in the outputs; a measured Gantt from the train task."""
+    ctx = RunContext.create(CORUN, PipelineConfig(rows_per_day=3000), home=home)
+    ids = _stage_runs(store, ctx, ALL_STAGES)
+    _log_curve(store, ids["train"])
+    store.log_metrics(ids["train"], {"rap_measured_iteration_ms": 17.25})
+    events = [{"stage": "warm_start", "action": "initial_plan", "reason": "2 similar jobs: greedy search",
+               "prediction": {"samples_per_s": 4400.0}, "plan_after": {"workers": 2}, "time_s": 100.0}]
+    measured = {"unit": "ms", "tasks": [{"name": "emb_fwd", "lane": "train (measured)", "start": 0, "end": 4.5,
+                                         "kind": "training stage"}]}
+    corun_run(ctx, ids, events=events, train_schedule=measured)
+    return ids
+
+
+def _inline_run(home, store: TrackingStore) -> dict:
+    ctx = RunContext.create(INLINE, PipelineConfig(rows_per_day=3000, resources={"policy": "static"}), home=home)
+    ids = _stage_runs(store, ctx, ALL_STAGES)
+    inline_run(ctx, ids)
+    return ids
+
+
+def _failed_run(home, store: TrackingStore) -> dict:
+    """train failed: its run FAILED with the error, the parent FAILED naming the stage (as run_stage leaves them)."""
+    ctx = RunContext.create(FAILED, PipelineConfig(rows_per_day=3000), home=home)
+    ids = _stage_runs(store, ctx, ALL_STAGES[:3])
+    ids["train"] = store.stage_run(EXPERIMENT, ctx.run_key, "train")
+    store.client.set_tag(ids["train"], ERROR_TAG, TRAIN_ERROR)
+    store.client.set_terminated(ids["train"], "FAILED")
+    store.client.set_tag(ids["pipeline"], FAILED_STAGE_TAG, "train")
+    store.client.set_tag(ids["pipeline"], ERROR_TAG, f"stage train failed: {TRAIN_ERROR}")
+    store.client.set_terminated(ids["pipeline"], "FAILED")
+    stopped_at_train(ctx, ids)
+    return ids
+
+
+def _running_run(home, store: TrackingStore) -> dict:
+    """train still running: its run open, the curve logged so far."""
+    ctx = RunContext.create(RUNNING, PipelineConfig(rows_per_day=3000), home=home)
+    ids = _stage_runs(store, ctx, ALL_STAGES[:3])
+    ids["train"] = store.stage_run(EXPERIMENT, ctx.run_key, "train")
+    _log_curve(store, ids["train"])
+    stopped_at_train(ctx, ids)
+    return ids
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     home = tmp_path_factory.mktemp("ui_home")
     store = TrackingStore(f"sqlite:///{home / 'mlflow' / 'mlflow.db'}", home / "mlflow" / "artifacts")
-    ids = {PARTIAL: _partial_run(home, store), COMPLETE: _complete_run(home, store)}
+    ids = {PARTIAL: _partial_run(home, store), COMPLETE: _complete_run(home, store),
+           CORUN: _corun_run(home, store), INLINE: _inline_run(home, store), FAILED: _failed_run(home, store),
+           RUNNING: _running_run(home, store)}
     corrupt = RunContext.create(CORRUPT, {}, home=home)
     _write(corrupt, GenerateOutputs(files=[], synthetic=False))
     _write_raw(corrupt, "ingest", "{not json")
@@ -157,7 +228,7 @@ def test_index_lists_every_run_with_its_results_and_links(site):
     body = _html(site, "/")
     _escaped_everywhere(body)
     keys = re.findall(r'data-run-key="([^"]+)"', body)
-    assert set(keys) == {COMPLETE, PARTIAL, CORRUPT, EMPTY}
+    assert set(keys) == {COMPLETE, PARTIAL, CORRUPT, EMPTY, CORUN, INLINE, FAILED, RUNNING}
     ids, exp = site["ids"][COMPLETE], site["exp"]
     row = body.split(f'data-run-key="{COMPLETE}"')[1].split("</tr>")[0]
     assert "complete" in row and "0.7" in row and "4" in row
@@ -165,8 +236,27 @@ def test_index_lists_every_run_with_its_results_and_links(site):
     assert f'href="{MLFLOW}/#/experiments/{exp}/runs/{ids["pipeline"]}"' in row
     assert "rows_per_day=3000" in row and "seed=7" in row
     partial = body.split(f'data-run-key="{PARTIAL}"')[1].split("</tr>")[0]
-    assert "2/7 stages (next: plan_resources)" in partial
+    assert 'data-state="failed"' in partial and "failed at plan_resources" in partial
     assert f'href="/runs/{COMPLETE}"' in body
+
+
+def _index_row(body: str, key: str) -> str:
+    return body.split(f'data-run-key="{key}"')[1].split("</tr>")[0]
+
+
+def test_index_tells_failed_runs_with_their_error_from_running_ones(site):
+    body = _html(site, "/")
+    states = dict(re.findall(r'data-run-key="([^"]+)">.*?data-state="(\w+)"', body, re.S))
+    assert states == {COMPLETE: "complete", CORUN: "complete", INLINE: "complete", PARTIAL: "failed",
+                      FAILED: "failed", RUNNING: "running", CORRUPT: "failed", EMPTY: "incomplete"}
+    failed = _index_row(body, FAILED)
+    assert f"failed at train: {TRAIN_ERROR}" in failed and "running" not in failed
+    running = _index_row(body, RUNNING)
+    assert "running: train" in running and "failed" not in running
+    assert "0/7 stages (next: generate)" in _index_row(body, EMPTY)
+    rows = {r["run_key"]: r for r in site["client"].get("/api/runs").json()["runs"]}
+    assert rows[FAILED]["state"] == "failed" and rows[FAILED]["error"] == TRAIN_ERROR
+    assert rows[RUNNING]["state"] == "running" and rows[RUNNING]["error"] is None
 
 
 def test_complete_run_shows_every_section_linked_to_mlflow(site):
@@ -209,7 +299,7 @@ def test_partial_run_shows_what_exists(site):
     assert states == {"generate": "done", "ingest": "done", "plan_resources": "failed", "train": "missing",
                       "evaluate": "missing", "compile": "missing", "publish": "missing"}
     for empty in ("No plan recorded yet", "No training outputs yet", "Not evaluated yet", "Not compiled yet",
-                  "Not published yet", "No RAP schedule recorded"):
+                  "Not published yet", "No RAP schedule yet"):
         assert empty in body
     assert "generate/outputs.json" in body and "compile/outputs.json" not in body
     data = site["client"].get(f"/api/runs/{PARTIAL}").json()
@@ -301,4 +391,103 @@ def test_outputs_that_do_not_validate_are_reported_with_their_fields_and_shown_r
     assert "No data recorded yet" in body and "Not evaluated yet" in body and "Not compiled yet" in body
     index = client.get("/")
     assert index.status_code == 200 and 'data-run-key="odd_shapes"' in index.text
-    assert "0/7 stages (next: generate)" in index.text.split('data-run-key="odd_shapes"')[1].split("</tr>")[0]
+    row = index.text.split('data-run-key="odd_shapes"')[1].split("</tr>")[0]
+    assert 'data-state="failed"' in row and "failed at generate: its outputs are unreadable" in row
+
+
+def _section(body: str, start: str, end: str) -> str:
+    return body.split(start)[1].split(end)[0]
+
+
+def _system(body: str, key: str) -> str:
+    return _section(body, f'data-system="{key}"', '<div class="system"')
+
+
+def test_corun_run_shows_every_system_the_gantt_the_fused_groups_and_the_curve(site):
+    body = _html(site, f"/runs/{CORUN}")
+    _escaped_everywhere(body)
+    assert 'id="run-status" data-state="complete"' in body
+    systems = dict(re.findall(r'data-system="(\w+)" data-state="([\w ]+)"', body))
+    assert systems == {k: "used" for k in ("rap", "dlrover", "recom", "checkpoints", "executor", "warm_start",
+                                           "gate")}
+    rap = _system(body, "rap")
+    for text in ("corun (requested: auto)", "co-run 15.5 ms &lt; inline 21.0 ms", "mapping imbalance before",
+                 "0.42", "0.07", "measured iteration, co-run (ms)", "17.25"):
+        assert text in rap, text
+    dlrover = _system(body, "dlrover")
+    for text in ("2 similar jobs: greedy search", "runtime: add_worker", "4,400", "5,200", "predicted / measured"):
+        assert text in dlrover, text
+    assert "512" in _system(body, "checkpoints") and "2.50 %" in _system(body, "checkpoints")
+    assert "cpp_per_group" in _system(body, "executor") and "champion version 3" in _system(body, "warm_start")
+    gate = _system(body, "gate")
+    assert "0.72" in gate and "champion AUC, same held-out day (version 3)" in gate and "0.02" in gate
+    # the planned Gantt from the co-run schedule file over the profiled stages: 5 stages + 3 kernels, the kernel
+    # past emb_fwd's spare capacity marked; the as-run Gantt the train task recorded
+    planned = _section(body, 'data-schedule="plan_resources"', "</svg>")
+    assert planned.count("<rect") == 8 and "L1:sigrid_hash_sparsex26 [preprocess] 1.5–4 ms" in planned
+    assert "not hidden" in _section(body, 'id="schedule"', 'id="resources"')
+    assert _section(body, 'data-schedule="train"', "</svg>").count("<rect") == 1
+    groups = _section(body, 'id="fused-groups"', "</table>")
+    assert all(g in groups for g in GROUPS) and "emb_fwd (1.5 ms)" in groups and "mlp_bwd (1 ms)" in groups
+    # the training curve: one point per step, the step logged twice counted once
+    curve = _section(body, 'data-metric="train_loss"', "</svg>")
+    points = re.search(r'<polyline points="([^"]+)"', curve).group(1).split()
+    assert len(points) == len(LOSS) and "train loss" in curve
+    assert 'data-metric="train_auc"' in body
+    publish = _section(body, 'id="publish"', 'id="raw"')
+    assert "challenger AUC" in publish and "0.72" in publish and "0.7" in publish
+    evaluation = _section(body, 'id="evaluation"', 'id="compile"')
+    assert "champion v3: AUC, same day" in evaluation
+
+
+def test_inline_run_says_which_systems_it_did_not_use(site):
+    body = _html(site, f"/runs/{INLINE}")
+    systems = dict(re.findall(r'data-system="(\w+)" data-state="([\w ]+)"', body))
+    assert systems["rap"] == systems["dlrover"] == systems["checkpoints"] == systems["warm_start"] == "not used"
+    assert "co-run not used: the workers preprocessed inline" in _system(body, "rap")
+    assert "resources.policy=static" in _system(body, "dlrover")
+    assert "no champion yet" in _system(body, "gate")
+    assert "No RAP schedule for this run" in body and 'data-schedule=' not in body
+    assert "No per-step training metrics in MLflow" in body
+
+
+def test_failed_run_page_shows_failed_with_the_error(site):
+    body = _html(site, f"/runs/{FAILED}")
+    status = _section(body, 'id="run-status"', "</div>")
+    assert 'data-state="failed"' in status and f"failed at train: {TRAIN_ERROR}" in status
+    train = _section(body, 'data-stage="train"', "</div>\n  </div>")
+    assert 'data-state="failed"' in train and TRAIN_ERROR in train
+    assert 'data-state="running"' not in body
+    assert all(f'data-system="{k}" data-state="not run"' in body for k in ("checkpoints", "recom", "gate"))
+    assert "not run: the run failed at train" in _system(body, "checkpoints")
+
+
+def test_running_run_page_shows_running_and_the_curve_so_far(site):
+    body = _html(site, f"/runs/{RUNNING}")
+    assert 'id="run-status" data-state="running"' in body and "running: train" in body
+    assert 'data-stage="train" data-state="running"' in body and 'data-state="failed"' not in body
+    assert "curve is what its MLflow run logged so far" in body and 'data-metric="train_loss"' in body
+    assert all(f'data-system="{k}" data-state="not yet"' in body for k in ("checkpoints", "recom", "gate"))
+
+
+def test_summarize_reads_the_failure_from_mlflow_and_the_cli_prints_it(site, monkeypatch):
+    from typer.testing import CliRunner
+
+    from recforge.cli import app
+
+    ctx = RunContext.create(FAILED, {}, home=site["home"])
+    s = summarize(ctx, MlflowView(site["store"].tracking_uri))
+    assert s["status"]["state"] == "failed" and s["status"]["error"] == TRAIN_ERROR
+    s = summarize(RunContext.create(CORUN, {}, home=site["home"]), MlflowView(site["store"].tracking_uri))
+    assert dict(s["systems"]["rap"]["measured"])["measured iteration, co-run (ms)"] == 17.25
+    assert s["systems"]["dlrover"]["decided"][1] == ("why", "2 similar jobs: greedy search")
+    monkeypatch.setenv("RECFORGE_HOME", str(site["home"]))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("COLUMNS", "200")
+    result = CliRunner().invoke(app, ["summary", FAILED])
+    assert result.exit_code == 0, result.output
+    assert f"failed at train: {TRAIN_ERROR}" in result.output
+    assert "Checkpoints: not run: the run failed at train (not trained yet: train has no outputs)" in result.output
+    assert "mapping imbalance before" in result.output
+    result = CliRunner().invoke(app, ["summary", "no_such_run"])
+    assert result.exit_code != 0 and "no pipeline run 'no_such_run'" in result.output

@@ -13,7 +13,8 @@ from recforge.config.datasets import DATASET_PRESETS, DatasetConfig, dataset_pre
 
 
 class ModelConfig(StrictModel):
-    arch: Literal["dlrm", "dlrm_dcn"] = "dlrm"
+    arch: Literal["dlrm", "dlrm_dcn"] = Field(
+        "dlrm", description="dlrm: dot-product interaction; dlrm_dcn: DCN-v2 cross layers over the embeddings")
     embedding_dim: int = Field(16, ge=1)
     dense_arch: list[int] = Field(default_factory=lambda: [64, 16], min_length=1)
     over_arch: list[int] = Field(default_factory=lambda: [64, 32, 1], min_length=1)
@@ -32,7 +33,7 @@ class ModelConfig(StrictModel):
 
 
 class TrainConfig(StrictModel):
-    epochs: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1, description="passes over the training days")
     batch_size: int = Field(512, ge=1, description="per-worker batch size")
     embedding_lr: float = Field(0.05, gt=0)
     dense_lr: float = Field(0.002, gt=0)
@@ -62,8 +63,9 @@ class DLRoverConfig(StrictModel):
 
 
 class ResourceConfig(StrictModel):
-    workers: int = Field(2, ge=1)
-    threads_per_worker: int = Field(1, ge=1)
+    workers: int = Field(2, ge=1, description="training worker processes (policy dlrover: the request its stage 1 "
+                         "plans from)")
+    threads_per_worker: int = Field(1, ge=1, description="intra-op threads of each training worker")
     backend: Literal["local", "kubernetes"] = "local"
     policy: Literal["static", "dlrover"] = Field(
         "dlrover", description="dlrover: DLRover-RM plans the job (stage 1 from MLflow history) and adjusts it while "
@@ -88,7 +90,7 @@ class CheckpointConfig(StrictModel):
     """Resumable checkpoints of the training job (recforge.train.recovery): what retries and relaunches resume from."""
 
     every_steps: int = Field(
-        50, ge=0, description="periodic DCP checkpoint every this many optimizer steps; 0: only the final one (a "
+        100, ge=0, description="periodic DCP checkpoint every this many optimizer steps; 0: only the final one (a "
         "retry or relaunch then trains from scratch)")
     flash: bool = Field(True, description="flash checkpoints: save to shared memory, persisted to disk by the agent")
     keep: int = Field(2, ge=1, description="step checkpoints kept on disk")
@@ -97,12 +99,12 @@ class CheckpointConfig(StrictModel):
 class PipelineConfig(StrictModel):
     """One daily pipeline run; the DAG's Params map onto these fields."""
 
-    dataset_preset: str = "criteo_kaggle"
+    dataset_preset: str = Field("criteo_kaggle", description="schema of the raw days (synthetic or source_dir)")
     source_dir: str | None = Field(
         None, description="raw day files (day_*.tsv[.gz]) to ingest; None generates synthetic days")
-    rows_per_day: int = Field(200_000, ge=100)
+    rows_per_day: int = Field(200_000, ge=100, description="synthetic rows per day")
     train_days: int = Field(1, ge=1, description="days trained on; one more day is held out for evaluation")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the synthetic data, model initialisation and data order")
     table_cap: int = Field(
         100_000, ge=1, description="embedding rows per table: sigrid_hash modulus is min(cardinality, cap)")
     rows_per_shard: int = Field(50_000, ge=1)

@@ -17,7 +17,10 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -29,7 +32,7 @@ from recforge.elastic.backends.kubernetes import backend_from_environment
 from recforge.elastic.backends.local import LocalBackend
 from recforge.elastic.master.failover import FailoverPolicy
 from recforge.elastic.master.service import JobMaster
-from recforge.elastic.master.supervisor import Scaler, Supervisor
+from recforge.elastic.master.supervisor import Attempt, Scaler, Supervisor
 from recforge.elastic.policy import JobInfo, Policy, ResourcePlan, StaticPolicy
 from recforge.train.recovery.spec import RecoverySpec
 from recforge.train.spec import WorkerSpec
@@ -39,6 +42,34 @@ log = logging.getLogger(__name__)
 SPEC_FILE = "worker_spec.json"
 STATE_FILE = "master_state.json"
 FAILURES_DIR = "failures"
+
+
+class JobCancelled(RuntimeError):
+    """The process running the job got SIGTERM (a task cancelled, marked failed or timed out): the workers are
+    stopped on the way out."""
+
+
+@contextmanager
+def sigterm_cancels_job() -> Iterator[None]:
+    """While the block runs, SIGTERM raises JobCancelled (after the handler installed before, e.g. Airflow's on_kill),
+    so `run_training_job`'s cleanup stops the workers at once instead of leaving them to a later SIGKILL.
+    A no-op outside the main thread (signal handlers live there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def cancel(signum: int, frame: Any) -> None:
+        if callable(previous):
+            previous(signum, frame)
+        raise JobCancelled("SIGTERM: the training job was cancelled (task stopped, marked failed or timed out); "
+                           "its workers are stopped")
+
+    signal.signal(signal.SIGTERM, cancel)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass
@@ -97,6 +128,7 @@ def run_training_job(
     scaler: Scaler | None = None,
     max_workers: int | None = None,
     poll_s: float = 0.5,
+    on_attempt: Callable[[Attempt], None] | None = None,
 ) -> JobResult:
     """Run one training job to the end.
 
@@ -112,7 +144,7 @@ def run_training_job(
     the master's state while the group runs; a different worker count or a `supervisor.Rescale` triggers a
     relaunch (default with a DLRoverPolicy: its stages 2 and 3, recforge.elastic.master.dlrover_scaler).
     `max_workers`: the largest scale request the master accepts (default: this machine's cores for
-    the local backend, none otherwise).
+    the local backend, none otherwise). `on_attempt`: called with each launch's record when its outcome is known.
     """
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -196,7 +228,7 @@ def run_training_job(
                 master, backend, failover, write_spec, plan=plan, batch_size=int(train.get("batch_size", 1)),
                 global_batch=global_batch,
                 failures_dir=failures_dir, persister=persister, scaler=scaler, timeout_s=timeout_s, poll_s=poll_s,
-                first_generation=first_generation,
+                first_generation=first_generation, on_attempt=on_attempt,
             )
             try:
                 outcome = sup.run()

@@ -33,6 +33,9 @@ class RunContext:
     # calendar day of the run's first synthetic day file (the daily DAG: logical date - train_days), so each
     # day's run draws new rows from the same hidden model; 0 outside Airflow
     data_day: int = 0
+    # how the run was started: Airflow's DagRun.run_type (scheduled, manual, backfill, ...); "manual" outside
+    # Airflow. train.warm_start 'auto' warm-starts scheduled runs only
+    run_type: str = "manual"
 
     @classmethod
     def create(cls, run_key: str, config: dict[str, Any] | PipelineConfig, **kw) -> RunContext:

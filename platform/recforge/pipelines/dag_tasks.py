@@ -1,76 +1,176 @@
-"""Glue between Airflow's task context and the stage functions (keeps DAG files to wiring only)."""
+"""Glue between Airflow's task context and the stage functions (keeps DAG files to wiring only): the DAG's Params
+read off PipelineConfig, the run's conf checked against them, invalid input failed without a retry.
+
+`python -m recforge.pipelines.dag_tasks --markdown` prints the Params table of the README."""
 from __future__ import annotations
 
-from typing import Any, get_args
+import argparse
+import logging
+import types
+from typing import Any, Literal, Union, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
 
 from recforge.config import DATASET_PRESETS, PipelineConfig
-from recforge.pipelines.context import RunContext
+from recforge.pipelines.context import EXPERIMENT, RunContext, run_key_from
+from recforge.pipelines.stage import (
+    INVALID_INPUT,
+    InvalidInput,
+    failure_kind,
+    failure_reason,
+    is_recorded,
+    sigterm_raises,
+)
 
-# Param name -> PipelineConfig field path. Airflow 3 TaskFlow reserves `run_id`, so none is used here.
-PARAM_FIELDS = {
+log = logging.getLogger("recforge.pipelines")
+
+# Param name -> PipelineConfig field path: the one table the DAG's Params, their validation and the README's options
+# table are built from. Airflow 3 TaskFlow reserves `run_id`, so none is used here.
+PARAM_FIELDS: dict[str, tuple[str, ...]] = {
     "dataset_preset": ("dataset_preset",),
+    "source_dir": ("source_dir",),
     "rows_per_day": ("rows_per_day",),
     "train_days": ("train_days",),
-    "workers": ("resources", "workers"),
-    "epochs": ("train", "epochs"),
-    "batch_size": ("train", "batch_size"),
     "seed": ("seed",),
     "table_cap": ("table_cap",),
     "model_arch": ("model", "arch"),
-    "source_dir": ("source_dir",),
+    "epochs": ("train", "epochs"),
+    "batch_size": ("train", "batch_size"),
+    "warm_start": ("train", "warm_start"),
+    "workers": ("resources", "workers"),
+    "threads_per_worker": ("resources", "threads_per_worker"),
+    "resources_policy": ("resources", "policy"),
+    "max_restarts": ("resources", "max_restarts"),
     "preprocessing": ("preprocessing",),
     "corun_mapping": ("corun", "mapping"),
+    "preprocess_executor": ("preprocess_executor",),
+    "preprocess_plan": ("preprocess_plan",),
+    "checkpoint_every_steps": ("checkpoint", "every_steps"),
+    "checkpoint_flash": ("checkpoint", "flash"),
+    "champion_margin": ("champion_margin",),
+    "champion_min_auc": ("champion_min_auc",),
+    "champion_min_rows": ("champion_min_rows",),
 }
+# A `str` field whose values a validator checks (not a Literal): its enum, from the set that validator uses.
+FIELD_ENUMS: dict[str, list[str]] = {"dataset_preset": sorted(DATASET_PRESETS)}
+_JSON_TYPES: dict[type, str] = {bool: "boolean", int: "integer", float: "number", str: "string"}
+_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+class ParamError(InvalidInput):
+    """A Param in the run's conf is unknown, of the wrong type or out of range; the message names it."""
+
+
+def _field(path: tuple[str, ...]) -> tuple[Any, Any]:
+    """The pydantic FieldInfo at `path` of PipelineConfig and its default (nested models' defaults included)."""
+    model: type[BaseModel] = PipelineConfig
+    default: Any = PipelineConfig()
+    for key in path[:-1]:
+        model = model.model_fields[key].annotation  # type: ignore[assignment]
+        default = getattr(default, key)
+    return model.model_fields[path[-1]], getattr(default, path[-1])
+
+
+def _json_type(annotation: Any) -> tuple[str | list[str], list[Any] | None]:
+    """JSON-schema type (and enum) of a field's annotation: bool/int/float/str, Literal[...] of str, X | None."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin in (Union, types.UnionType) and type(None) in args and len(args) == 2:
+        inner, enum = _json_type(next(a for a in args if a is not type(None)))
+        return ["null", inner] if isinstance(inner, str) else ["null", *inner], enum
+    if origin is Literal and all(isinstance(a, str) for a in args):
+        return "string", list(args)
+    if annotation in _JSON_TYPES:
+        return _JSON_TYPES[annotation], None
+    raise TypeError(f"no Param type for a field of type {annotation!r}")
+
+
+def param_spec(name: str) -> dict[str, Any]:
+    """Airflow Param keyword arguments of `name`: default, JSON-schema type, description, enum and bounds, all read
+    off the PipelineConfig field it maps to."""
+    info, default = _field(PARAM_FIELDS[name])
+    jtype, enum = _json_type(info.annotation)
+    spec: dict[str, Any] = {"default": default, "type": jtype, "description": info.description or ""}
+    enum = FIELD_ENUMS.get(name, enum)
+    if enum is not None:
+        spec["enum"] = enum
+    for constraint in info.metadata:
+        for attr, key in _BOUNDS.items():
+            if getattr(constraint, attr, None) is not None:
+                spec[key] = getattr(constraint, attr)
+    return spec
+
+
+def default_params() -> dict[str, dict[str, Any]]:
+    """Every Param of the daily DAG (name -> Param keyword arguments), read off PipelineConfig."""
+    return {name: param_spec(name) for name in PARAM_FIELDS}
+
+
+def _type_problem(value: Any, jtype: str | list[str]) -> str | None:
+    """Why `value` is not of the Param's JSON type (the trigger form's check), None when it is."""
+    ok = {"null": value is None, "boolean": isinstance(value, bool), "string": isinstance(value, str),
+          "integer": isinstance(value, int) and not isinstance(value, bool)
+          or isinstance(value, float) and value.is_integer(),
+          "number": isinstance(value, (int, float)) and not isinstance(value, bool)}
+    wanted = [jtype] if isinstance(jtype, str) else jtype
+    if any(ok[t] for t in wanted):
+        return None
+    names = {"null": "empty", "boolean": "a boolean", "string": "a string", "integer": "an integer",
+             "number": "a number"}
+    return f"must be {' or '.join(names[t] for t in wanted)}, got {value!r} ({type(value).__name__})"
+
+
+def _pydantic_problem(err: Any) -> str:
+    ctx = err.get("ctx") or {}
+    symbols = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"),
+               "less_than": ("<", "lt")}
+    if err["type"] in symbols:
+        symbol, key = symbols[err["type"]]
+        return f"must be {symbol} {ctx[key]}, got {err['input']!r}"
+    if err["type"] == "literal_error":
+        return f"must be one of {ctx.get('expected')}, got {err['input']!r}"
+    return f"{str(err['msg']).removeprefix('Value error, ')}"
 
 
 def config_from_params(params: dict[str, Any]) -> dict[str, Any]:
-    """Nest the flat DAG Params into a PipelineConfig dict (validated by the stage).
+    """Nest the flat DAG Params into a PipelineConfig dict, validated.
 
     Airflow merges any trigger conf key into the params without checking it: an unknown key (a typo such as
-    "row_per_day") is an error naming it, not a silently ignored setting."""
+    "row_per_day"), a value of the wrong type or out of range is a ParamError naming the Param. An empty value
+    (None or "") means "not set": the config's default."""
     unknown = sorted(set(params) - set(PARAM_FIELDS))
     if unknown:
-        raise ValueError(f"unknown recforge_daily param(s) {unknown} in the run's conf; known: {sorted(PARAM_FIELDS)}")
+        raise ParamError(f"unknown recforge_daily param(s) {unknown} in the run's conf; known: {sorted(PARAM_FIELDS)}")
     cfg: dict[str, Any] = {}
+    problems = []
     for name, path in PARAM_FIELDS.items():
-        if name not in params or params[name] in (None, ""):
+        value = params.get(name)
+        if value is None or value == "":
+            continue
+        jtype = param_spec(name)["type"]
+        problem = _type_problem(value, jtype)
+        if problem:
+            problems.append(f"param {name!r}: {problem}")
             continue
         node = cfg
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = params[name]
+        node[path[-1]] = int(value) if jtype == "integer" else value
+    try:  # ranges, enums and the config's own validators; the values of the wrong type are left out above
+        PipelineConfig.model_validate(cfg)
+    except ValidationError as e:
+        problems += [_named(err) for err in e.errors()]
+    if problems:
+        raise ParamError("; ".join(problems))
     return cfg
 
 
-def default_params() -> dict[str, dict[str, Any]]:
-    """Defaults and JSON-schema types for the DAG's Params, read off PipelineConfig."""
-    cfg = PipelineConfig()
-    return {
-        "dataset_preset": {"default": cfg.dataset_preset, "type": "string", "enum": sorted(DATASET_PRESETS),
-                           "description": "dataset schema preset"},
-        "rows_per_day": {"default": cfg.rows_per_day, "type": "integer", "minimum": 100,
-                         "description": "synthetic rows per day"},
-        "train_days": {"default": cfg.train_days, "type": "integer", "minimum": 1},
-        "workers": {"default": cfg.resources.workers, "type": "integer", "minimum": 1, "maximum": 8,
-                    "description": "training worker processes"},
-        "epochs": {"default": cfg.train.epochs, "type": "integer", "minimum": 1},
-        "batch_size": {"default": cfg.train.batch_size, "type": "integer", "minimum": 1,
-                       "description": "per-worker batch size"},
-        "seed": {"default": cfg.seed, "type": "integer"},
-        "table_cap": {"default": cfg.table_cap, "type": "integer", "minimum": 1,
-                      "description": "rows per embedding table"},
-        "model_arch": {"default": cfg.model.arch, "type": "string", "enum": ["dlrm", "dlrm_dcn"]},
-        # "null" in the type makes the field optional in Airflow's trigger form (an empty required field blocks it)
-        "source_dir": {"default": None, "type": ["null", "string"],
-                       "description": "directory of raw day_*.tsv files; empty generates synthetic data"},
-        "preprocessing": {"default": cfg.preprocessing, "type": "string",
-                          "enum": list(get_args(PipelineConfig.model_fields["preprocessing"].annotation)),
-                          "description": "inline: before each step; corun: RAP co-running in the workers; "
-                                         "offline: the training data preprocessed first"},
-        "corun_mapping": {"default": cfg.corun.mapping, "type": "boolean",
-                          "description": "with corun and 2+ workers: RAP's mapping (each table's ids preprocessed "
-                                         "on its owner, no input all-to-all)"},
-    }
+def _named(err: Any) -> str:
+    """A pydantic error of the nested config, named by the Param whose field it is."""
+    loc = tuple(str(p) for p in err["loc"])
+    for name, path in PARAM_FIELDS.items():
+        if loc[:len(path)] == path:
+            return f"param {name!r}: {_pydantic_problem(err)}"
+    return f"config {'.'.join(loc) or '(top)'}: {_pydantic_problem(err)}"
 
 
 def data_day_of(context: dict[str, Any], config: dict[str, Any]) -> int:
@@ -83,11 +183,126 @@ def data_day_of(context: dict[str, Any], config: dict[str, Any]) -> int:
     return max(0, when.date().toordinal() - int(train_days))
 
 
-def run_stage_from_context(stage: str, context: dict[str, Any]) -> dict[str, Any]:
-    from recforge.pipelines.runner import STAGE_FUNCTIONS  # lazy: the stages' modules off the DAG-parse path
+def run_type_of(context: dict[str, Any]) -> str:
+    """How Airflow started the DAG run (DagRun.run_type: scheduled, manual, backfill, ...); "manual" if unknown."""
+    run_type = getattr(context["dag_run"], "run_type", None)
+    return str(getattr(run_type, "value", run_type) or "manual")
 
-    config = config_from_params(dict(context["params"]))
-    ctx = RunContext.create(context["dag_run"].run_id, config, data_day=data_day_of(context, config))
-    out = STAGE_FUNCTIONS[stage](ctx).model_dump(mode="json")
+
+def run_stage_from_context(stage: str, context: dict[str, Any]) -> dict[str, Any]:
+    """Run `stage` for the task's DAG run; its small scalar outputs are the task's XCom.
+
+    Invalid input (INVALID_INPUT: a bad or unknown Param, a config or record that fails its schema, InvalidInput)
+    raises AirflowFailException: the task fails at once, a retry could not fix it. Anything else (a worker crash,
+    OSError, a timeout, SIGTERM) propagates and Airflow retries while attempts remain. Either way the DAG run's
+    MLflow runs end FAILED with the reason (run_stage records failures inside a stage, this those before it)."""
+    run_key = context["dag_run"].run_id
+    with sigterm_raises():
+        try:
+            config = config_from_params(dict(context["params"]))
+            ctx = RunContext.create(run_key, config, data_day=data_day_of(context, config),
+                                    run_type=run_type_of(context))
+            from recforge.pipelines.runner import STAGE_FUNCTIONS  # lazy: the stages' modules off the DAG-parse path
+
+            out = STAGE_FUNCTIONS[stage](ctx).model_dump(mode="json")
+        except BaseException as e:
+            if not is_recorded(e):
+                _record_failure(run_key, stage, e)
+            if isinstance(e, INVALID_INPUT):
+                raise _no_retry(stage, e) from e
+            if failure_kind(e) == "error":
+                _record_retry(context, run_key, stage)
+            raise
     # XCom carries only small scalars; the full outputs stay in the stage's outputs.json
     return {k: v for k, v in out.items() if isinstance(v, (str, int, float, bool)) or v is None}
+
+
+def _no_retry(stage: str, e: BaseException) -> Exception:
+    from airflow.sdk.exceptions import AirflowFailException  # lazy: Airflow only inside a task, not on the CLI path
+
+    return AirflowFailException(f"{stage}: invalid input, not retried: {type(e).__name__}: {e}")
+
+
+def _record_failure(run_key: str, stage: str, e: BaseException) -> None:
+    """A failure before the stage's own MLflow run (a bad Param, an upstream record that fails its schema): the DAG
+    run's parent run FAILED with it, so the run shows why."""
+    try:
+        from recforge.tracking import TrackingStore  # lazy: mlflow off the DAG-parse path
+
+        TrackingStore().fail_pipeline(EXPERIMENT, run_key_from(run_key), stage, failure_reason(e),
+                                      kind=failure_kind(e))
+    except Exception:  # the stage's failure is what the task reports, not MLflow's trouble recording it
+        log.exception("could not record the failure of %s / %s in MLflow", run_key, stage)
+
+
+def _record_retry(context: dict[str, Any], run_key: str, stage: str) -> None:
+    """When Airflow will retry the task (attempts left), say so on its FAILED runs: the failure is not final yet."""
+    ti = context.get("ti") or context.get("task_instance")
+    try_number, max_tries = getattr(ti, "try_number", None), getattr(ti, "max_tries", None)
+    if not (isinstance(try_number, int) and isinstance(max_tries, int) and try_number <= max_tries):
+        return
+    try:
+        from recforge.tracking import TrackingStore  # lazy: mlflow off the DAG-parse path
+
+        TrackingStore().mark_retrying(EXPERIMENT, run_key_from(run_key), stage,
+                                      f"attempt {try_number} of {max_tries + 1} failed; Airflow retries the task")
+    except Exception:
+        log.exception("could not record the retry of %s / %s in MLflow", run_key, stage)
+
+
+def close_open_runs(context: dict[str, Any]) -> list[str]:
+    """The DAG's on_failure_callback (Airflow 3 runs it in the DAG processor when a DAG run fails): the run's MLflow
+    runs still RUNNING end FAILED. A stage closes its own runs on any exception or SIGTERM; only a task process
+    killed outright (SIGKILL, OOM, a lost worker) leaves one open. Returns the MLflow run ids it closed."""
+    from recforge.tracking import TrackingStore  # lazy: mlflow off the DAG-parse path
+
+    dag_run = context.get("dag_run")
+    run_id = context.get("run_id") or getattr(dag_run, "run_id", None)
+    if not run_id:
+        log.error("close_open_runs: the callback context names no DAG run: %s", sorted(context))
+        return []
+    reason = (f"killed: the task process died without closing its run (SIGKILL, out of memory or a lost worker); "
+              f"the DAG run failed ({context.get('reason') or 'a task failed'})")
+    closed = TrackingStore().fail_open_runs(EXPERIMENT, run_key_from(str(run_id)), reason, kind="killed")
+    log.info("close_open_runs: %d MLflow run(s) of %s closed as FAILED", len(closed), run_id)
+    return closed
+
+
+def params_markdown() -> str:
+    """The README's options table: one row per Param, from the same specs the DAG uses."""
+    rows = ["| Param | config field | values | default | what it does |", "|---|---|---|---|---|"]
+    for name, path in PARAM_FIELDS.items():
+        spec = param_spec(name)
+        rows.append(f"| `{name}` | `{'.'.join(path)}` | {_values(spec)} | {_cell_default(spec['default'])} | "
+                    f"{spec['description'].replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
+
+
+def _values(spec: dict[str, Any]) -> str:
+    if "enum" in spec:
+        return ", ".join(f"`{v}`" for v in spec["enum"])
+    jtype = spec["type"]
+    kinds = [jtype] if isinstance(jtype, str) else [t for t in jtype if t != "null"]
+    text = " or ".join(kinds) + (" or empty" if isinstance(jtype, list) and "null" in jtype else "")
+    bounds = [f"{sym} {spec[key]}" for key, sym in (("minimum", ">="), ("exclusiveMinimum", ">"),
+                                                     ("maximum", "<="), ("exclusiveMaximum", "<")) if key in spec]
+    return text + (f" {', '.join(bounds)}" if bounds else "")
+
+
+def _cell_default(value: Any) -> str:
+    if value is None:
+        return "empty"
+    return f"`{str(value).lower() if isinstance(value, bool) else value}`"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m recforge.pipelines.dag_tasks")
+    parser.add_argument("--markdown", action="store_true", help="print the README's Params table")
+    args = parser.parse_args(argv)
+    if not args.markdown:
+        parser.error("nothing to do: pass --markdown")
+    print(params_markdown(), end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -96,6 +96,8 @@ class PreprocessingChoice(Record):
     reason: str = Field(description="why this mode (auto: the two predictions compared; else: configured)")
     predicted_inline_ms: float | None = Field(None, description="predicted iteration time, preprocessing inline")
     predicted_corun_ms: float | None = Field(None, description="predicted iteration time, RAP co-run")
+    bound: bool = Field(False, description="auto decided before profiling: both predictions are lower bounds "
+                        "(a training step on one rank; + preprocessing for inline)")
 
 
 class PlanOutputs(StageOutputs):
@@ -152,6 +154,26 @@ class ExecutedDecision(Record):
     stage: str
     action: str
     reason: str
+    executed: bool = Field(True, description="carried out (a relaunch at the new plan) or not (the reason says why)")
+
+
+class PlanMeasurement(Record):
+    """One plan the job ran: stage 1's prediction against what the job master measured."""
+
+    workers: int
+    threads_per_worker: int
+    predicted_samples_per_s: float | None = Field(description="by the model stage 1 planned with (None: no model)")
+    measured_samples_per_s: float = Field(description="median over the profiler's polls at this plan")
+    polls: int
+
+
+class MemoryMeasurement(Record):
+    """Per-worker peak memory of the final plan: predicted by stage 1's memory model, measured in the workers."""
+
+    predicted_peak_bytes: float | None = Field(description="largest worker's predicted peak (None: no table sizes)")
+    measured_peak_bytes: list[float] = Field(description="peak RSS of each rank (empty: the workers reported none)")
+    predicted_by: str = Field(description="the memory model stage 1 used and why")
+    fitted: dict[str, Any] = Field(description="the memory model this run fitted and stored (MemoryModel.to_dict)")
 
 
 class DLRoverRun(Record):
@@ -162,6 +184,9 @@ class DLRoverRun(Record):
     events: int = Field(description="events logged (executed or not)")
     model_uri: str | None = Field(None, description="the run's resource model, history for the next stage 1")
     executed: list[ExecutedDecision]
+    decisions: list[ExecutedDecision] = Field(default_factory=list, description="every decision, executed or not")
+    plans: list[PlanMeasurement] = Field(default_factory=list, description="predicted vs measured throughput")
+    memory: MemoryMeasurement | None = Field(None, description="predicted vs measured peak memory per worker")
 
 
 class ExecutorRecord(Record):
@@ -194,6 +219,7 @@ class WarmStartRecord(Record):
     used: bool
     champion_version: str | None = None
     reason: str
+    checkpoint: str | None = Field(None, description="the champion's final checkpoint the workers loaded")
 
 
 class TrainOutputs(StageOutputs):
@@ -233,7 +259,10 @@ class EvaluateOutputs(StageOutputs):
     ne: float = Field(description="normalized entropy")
     rows: int = Field(ge=0, description="held-out rows evaluated")
     auc_ceiling: float | None = Field(None, description="synthetic data: the held-out day's Bayes AUC")
-    champion: ChampionScore | None = Field(None, description="the champion on the same day (None: no champion yet)")
+    champion: ChampionScore | None = Field(None, description="the champion on the same day (None: no champion yet, "
+                                           "or it could not be scored: champion_problem)")
+    champion_version: str | None = Field(None, description="the champion when evaluate ran (scored or not)")
+    champion_problem: str | None = Field(None, description="why the champion could not be scored on this day")
 
 
 # --- compile / publish ------------------------------------------------------------------------------------------
@@ -290,6 +319,7 @@ class PublishOutputs(StageOutputs):
     reason: str = Field(description="why it was (not) promoted")
     challenger_auc: float | None = None
     champion_auc: float | None = Field(None, description="the champion's AUC on the same held-out day")
+    champion_version: str | None = Field(None, description="the champion it was compared with")
     pipeline_run_id: str = Field(description="the run's parent MLflow run")
 
 

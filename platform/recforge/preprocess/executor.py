@@ -18,6 +18,7 @@ from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.executors.dali import DaliExecutor
 from recforge.preprocess.executors.eager import EagerExecutor
 from recforge.preprocess.executors.fused import FusedExecutor
+from recforge.preprocess.executors.record import MODULE, ExecutionLog, process_log
 from recforge.preprocess.module import PreprocessModule
 from recforge.preprocess.planning.plan import Plan
 
@@ -48,6 +49,7 @@ class TorchExecutor:
         self.module = PreprocessModule(plan, dataset)
         self.keys = plan.sparse_features()
         self._device = torch.device("cpu")
+        self.executed = ExecutionLog()  # per batch (recforge.preprocess.executors.record)
 
     @torch.no_grad()
     def __call__(self, raw: RawBatch) -> tuple[Tensor, KeyedJaggedTensor]:
@@ -59,11 +61,13 @@ class TorchExecutor:
             self._device = raw.dense.device
             self.module.to(self._device)
         dense, ids = self.module(raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid)
+        for counts in (self.executed, process_log()):
+            counts.add(MODULE, native=False, reason="PreprocessModule (torch ops, exportable)")
         return dense, ids_to_kjt(ids, self.keys)
 
-
     def describe(self) -> dict[str, Any]:
-        return {"executor": "module", "plan": self.plan.name, "groups": len(self.module.groups)}
+        return {"executor": "module", "plan": self.plan.name, "groups": len(self.module.groups),
+                "executed": self.executed.snapshot()}
 
 
 ExecutorName = Literal["eager", "fused", "dali"]
@@ -74,7 +78,8 @@ log = logging.getLogger(__name__)
 def make_executor(name: str, plan: Plan, dataset: DatasetConfig, **options: Any) -> Executor:
     """Build the named executor for `plan` over `dataset` (the plan is validated: PlanError names feature and op).
     Options: fused/dali take `method` ("milp" | "greedy") for the plan compiler; fused takes `prune` (skip values
-    no consumer reads, default True); dali takes `num_threads` and `device` ("cpu" | "gpu")."""
+    no consumer reads, default True) and `native` (False: the ops' torch fallback); dali takes `num_threads` and
+    `device` ("cpu" | "gpu"). What each batch ran is counted (recforge.preprocess.executors.record)."""
     ex: Executor
     if name == "eager":
         ex = EagerExecutor(plan, dataset)

@@ -1,4 +1,6 @@
-"""What a pipeline run logs about its preprocessing (MLflow params + one JSON artifact): executor, plan, groups."""
+"""What the plan stage logs about the preprocessing it plans (MLflow params + one JSON artifact): executor, plan and
+the compiler's fused groups, all marked as planned. What the workers executed (one single pass, a call per group,
+the torch fallback, DALI) is logged by the train stage (`preprocess_executor_path`, `native_kernels`)."""
 from __future__ import annotations
 
 import logging
@@ -14,17 +16,20 @@ MAX_PARAM = 5000  # MLflow caps a param value at 6000 characters
 
 def preprocess_params(plan: Plan, dataset: DatasetConfig, executor: str, plan_source: str) -> tuple[dict, dict]:
     """(flat MLflow params, full summary for an artifact). The fused groups come from compiling the plan as the
-    workers will; with the dali executor the ops DALI cannot express are listed (they run on fused)."""
+    workers will: they are the plan, not a record of calls (on CPU the fused executor runs a plan whose features
+    keep one value per row as one single pass); with the dali executor the ops DALI cannot express are listed
+    (they run on fused)."""
     compiled = compile_plan(plan)
-    summary: dict[str, Any] = {"executor": executor, "plan_source": plan_source, **compiled.summary()}
+    summary: dict[str, Any] = {"executor": executor, "plan_source": plan_source, "planned": True,
+                               "executed": "see the train run: preprocess_executor_path", **compiled.summary()}
     groups = ", ".join(g.name for g in compiled.groups)
     params = {
         "preprocess_executor": executor,
         "preprocess_plan": plan_source,
         "preprocess_plan_name": plan.name,
         "preprocess_features": f"{len(plan.dense_features())} dense, {len(plan.sparse_features())} sparse",
-        "preprocess_fused_groups": len(compiled.groups),
-        "preprocess_groups": groups if len(groups) <= MAX_PARAM else groups[:MAX_PARAM - 3] + "...",
+        "preprocess_planned_groups": len(compiled.groups),
+        "preprocess_planned_group_names": groups if len(groups) <= MAX_PARAM else groups[:MAX_PARAM - 3] + "...",
         "preprocess_compiler": f"{compiled.method} ({compiled.solver_status}, objective {compiled.objective})",
     }
     if executor == "dali":
@@ -38,6 +43,6 @@ def preprocess_params(plan: Plan, dataset: DatasetConfig, executor: str, plan_so
         if fb["fallback_ops"]:
             log.warning("dali executor: %d ops of plan %s run on the fused executor: %s", fb["fallback_ops"],
                         plan.name, fb["fallback_reasons"])
-    log.info("preprocessing: executor %s, plan %s (%s), %d fused groups", executor, plan.name, plan_source,
+    log.info("preprocessing: executor %s, plan %s (%s), %d fused groups planned", executor, plan.name, plan_source,
              len(compiled.groups))
     return params, summary

@@ -24,3 +24,9 @@ def log_metric_batch(client: MlflowClient, run_id: str, metrics: dict[str, float
 def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int) -> None:
     """Log `metrics` at `step` into run `run_id` of the store at `tracking_uri` (one cached client per URI)."""
     log_metric_batch(_client(tracking_uri), run_id, metrics, step)
+
+
+def last_logged_step(tracking_uri: str, run_id: str, key: str) -> int | None:
+    """The highest step of metric `key` in run `run_id` (None: not logged yet): where a resumed group continues."""
+    history = _client(tracking_uri).get_metric_history(run_id, key)
+    return max((m.step for m in history), default=None)

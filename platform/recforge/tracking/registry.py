@@ -1,7 +1,12 @@
-"""Model registry: log a trained model, register it, move the `champion` alias behind a quality gate."""
+"""Model registry: log a trained model, register it, move the `champion` alias behind a quality gate.
+
+The gate (`gate`) is a pure function of the challenger's and the champion's scores on the same held-out day;
+`ModelRegistry.promote` applies it. Design and limits: docs/champion_gate.md."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlflow
@@ -23,6 +28,51 @@ class PromotionDecision:
     champion_auc: float | None
     margin: float
     reason: str
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    promote: bool
+    reason: str
+
+
+class ChampionChangedError(RuntimeError):
+    """The champion moved between scoring it and applying the gate: the comparison is stale."""
+
+
+def gate(auc: float, rows: int, *, champion_auc: float | None, champion_version: str | None = None,
+         margin: float, min_auc: float, min_rows: int, champion_problem: str | None = None) -> GateDecision:
+    """Promote the challenger (`auc` on `rows` held-out rows) over the champion scored on the same day?
+
+    Needs a finite AUC, at least `min_rows` rows, AUC >= `min_auc`, and AUC >= champion AUC - `margin`. A champion
+    that could not be scored (`champion_problem`, or a non-finite AUC) does not block: the absolute checks decide."""
+    if not math.isfinite(auc):
+        return GateDecision(False, f"challenger AUC {auc} is not finite: a NaN/inf model is never promoted")
+    if rows < min_rows:
+        return GateDecision(False, f"challenger evaluated on {rows} held-out rows < champion_min_rows {min_rows}")
+    if auc < min_auc:
+        return GateDecision(False, f"challenger AUC {auc:.4f} is below the floor champion_min_auc {min_auc}")
+    if champion_version is None and champion_auc is None and champion_problem is None:
+        return GateDecision(True, f"no champion yet; AUC {auc:.4f} >= floor {min_auc} on {rows} rows")
+    name = f"champion v{champion_version}" if champion_version is not None else "champion"
+    if champion_problem is not None or champion_auc is None or not math.isfinite(champion_auc):
+        why = champion_problem or f"its AUC on this day is {champion_auc}"
+        return GateDecision(True, f"{name} could not be scored ({why}): replaced, AUC {auc:.4f} >= floor "
+                                  f"{min_auc} on {rows} rows")
+    if auc >= champion_auc - margin:
+        return GateDecision(True, f"AUC {auc:.4f} vs {name} {champion_auc:.4f} on the same day: within margin "
+                                  f"{margin}")
+    return GateDecision(False, f"AUC {auc:.4f} vs {name} {champion_auc:.4f} on the same day: below by more than "
+                               f"margin {margin}")
+
+
+@dataclass(frozen=True)
+class ChampionRef:
+    """The current champion: its version, the run that registered it, and the version's tags."""
+
+    version: str
+    run_id: str
+    tags: dict[str, str]
 
 
 class ModelRegistry:
@@ -64,26 +114,43 @@ class ModelRegistry:
         except MlflowException:
             return None
 
-    def promote_if_not_worse(self, version: str, auc: float, margin: float) -> PromotionDecision:
-        current = self.champion()
+    def champion_ref(self) -> ChampionRef | None:
+        """The champion as a plain record (None: no champion yet)."""
+        mv = self.champion()
+        if mv is None:
+            return None
+        return ChampionRef(version=str(mv.version), run_id=str(mv.run_id), tags=dict(mv.tags or {}))
+
+    def download(self, version: str, artifact_path: str, dst: str | Path) -> Path:
+        """An artifact of the run that registered `version` (e.g. the plan it was trained on), copied under `dst`."""
+        mv = self.client.get_model_version(self.name, str(version))
+        if not mv.run_id:
+            raise ValueError(f"{self.name} v{version} names no run, so it has no run artifacts ({artifact_path})")
+        Path(dst).mkdir(parents=True, exist_ok=True)
+        return Path(self.client.download_artifacts(mv.run_id, artifact_path, str(dst)))
+
+    def promote(self, version: str, *, auc: float, rows: int, champion_version: str | None,
+                champion_auc: float | None, margin: float, min_auc: float, min_rows: int,
+                champion_problem: str | None = None) -> PromotionDecision:
+        """Apply `gate` against the champion that was scored (`champion_version`, None: none) and move the alias.
+
+        Raises ChampionChangedError when the champion is no longer the one scored. Idempotent: a version that is
+        already the champion stays it."""
         version = str(version)
-        champ_auc: float | None
-        if current is not None and str(current.version) == version:
-            champ_auc = float(current.tags.get(QUALITY_TAG, "nan"))
-            return PromotionDecision(version, True, auc, version, champ_auc, margin, "already champion")
-        if current is None:
-            promote, champ_auc, reason = True, None, "no champion yet"
-        else:
-            champ_auc = float(current.tags.get(QUALITY_TAG, "-inf"))
-            promote = auc >= champ_auc - margin
-            verdict = "within" if promote else "below"
-            reason = f"AUC {auc:.4f} vs champion v{current.version} {champ_auc:.4f}: {verdict} margin {margin}"
-        if promote:
+        current = self.champion()
+        now = str(current.version) if current is not None else None
+        if now == version:  # a retried publish: the decision that promoted it stands
+            earlier = (current.tags or {}).get("promotion")
+            reason = f"already champion ({earlier})" if earlier else "already champion"
+            return PromotionDecision(version, True, auc, version, champion_auc, margin, reason)
+        if now != (str(champion_version) if champion_version is not None else None):
+            raise ChampionChangedError(f"the champion of {self.name} is now {now}, not the scored {champion_version}")
+        decision = gate(auc, rows, champion_auc=champion_auc, champion_version=champion_version, margin=margin,
+                        min_auc=min_auc, min_rows=min_rows, champion_problem=champion_problem)
+        if decision.promote:
             self.client.set_registered_model_alias(self.name, CHAMPION, version)
-        self.client.set_model_version_tag(self.name, version, "promotion", reason)
-        return PromotionDecision(
-            version, promote, auc, str(current.version) if current else None, champ_auc, margin, reason
-        )
+        self.client.set_model_version_tag(self.name, version, "promotion", decision.reason)
+        return PromotionDecision(version, decision.promote, auc, now, champion_auc, margin, decision.reason)
 
     def load(self, version_or_alias: str):
         """Load a registered model. Pickled artifacts are only ever loaded from this registry."""

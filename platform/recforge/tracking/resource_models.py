@@ -115,6 +115,26 @@ def registered_name(dataset: str, model_family: str) -> str:
     return f"{REGISTRY_PREFIX}-{dataset}-{model_family}"
 
 
+def registered_versions(store: TrackingStore, dataset: str, model_family: str) -> dict[str, str]:
+    """{run id: "<registered name> v<N>"} for the versions of `registered_name(dataset, model_family)`
+    (empty when nothing is registered)."""
+    name = registered_name(dataset, model_family)
+    try:
+        versions = store.client.search_model_versions(f"name = '{_q(name)}'")
+    except MlflowException:
+        return {}
+    return {v.run_id: f"{name} v{v.version}" for v in versions if v.run_id}
+
+
+def latest_registered_record(store: TrackingStore, dataset: str, model_family: str) -> StoredResourceRun | None:
+    """The record of the newest version of `registered_name(dataset, model_family)` (None: none registered)."""
+    versions = registered_versions(store, dataset, model_family)
+    if not versions:
+        return None
+    run_id, _ = max(versions.items(), key=lambda kv: int(kv[1].rsplit("v", 1)[1]))
+    return _stored(store, store.client.get_run(run_id))
+
+
 def register_resource_model(store: TrackingStore, run_id: str, info, name: str,
                             tags: dict[str, str] | None = None) -> str:
     """Register a logged resource model (idempotent per run: a retried task finds its version)."""

@@ -80,8 +80,24 @@ def predict(model: torch.nn.Module, executor: Executor, manifest_dir: str | Path
     return np.concatenate(labels), np.concatenate(logits)
 
 
+class NonFiniteMetricsError(ValueError):
+    """The model's outputs or metrics are NaN/inf: it must never be recorded as evaluated, nor promoted."""
+
+
 def evaluate(model: torch.nn.Module, executor: Executor, manifest_dir: str | Path,
              batch_size: int = 4096) -> dict[str, float]:
-    """{auc, logloss, ne, rows} of `model` (logits out) on every row of the manifest."""
+    """{auc, logloss, ne, rows} of `model` (logits out) on every row of the manifest.
+
+    Raises NonFiniteMetricsError when a logit or a metric is NaN/inf (a NaN model has no AUC)."""
     y, z = predict(model, executor, manifest_dir, batch_size)
-    return {"auc": auc(y, z), "logloss": logloss(y, z), "ne": normalized_entropy(y, z), "rows": int(y.size)}
+    bad = ~np.isfinite(z)
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        raise NonFiniteMetricsError(
+            f"the model's logits are not finite on {int(bad.sum())} of {z.size} rows of {manifest_dir} (first: row "
+            f"{first}, {z[first]}): its weights hold NaN/inf; no metric is recorded for it")
+    out = {"auc": auc(y, z), "logloss": logloss(y, z), "ne": normalized_entropy(y, z)}
+    nonfinite = {k: v for k, v in out.items() if not np.isfinite(v)}
+    if nonfinite:
+        raise NonFiniteMetricsError(f"metrics {nonfinite} on {manifest_dir} are not finite")
+    return {**out, "rows": int(y.size)}

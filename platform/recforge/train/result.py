@@ -52,6 +52,17 @@ class CheckpointStats(_Record):
     flash_fast_saves: int | None = None
 
 
+class ExecutedPreprocessing(_Record):
+    """The preprocessing executor path rank 0 ran over this generation's training batches, counted per batch
+    (recforge.preprocess.executors.record.summarize); the train stage copies it into TrainOutputs.executor."""
+
+    requested: str = Field(description="as configured: eager | fused | dali")
+    path: str = Field(description="what ran: cpp_single_pass | cpp_per_group | triton_per_group | torch_fallback | "
+                      "eager | dali | module, '+' between several (most batches first); none: no batch here")
+    native_kernels: bool = Field(description="everything that ran used recforge_kernels' C++ / Triton kernels")
+    detail: dict[str, Any] = Field(default_factory=dict, description="batches and group calls per path, reasons")
+
+
 class WorkerResult(_Record):
     """The job's result as rank 0 of the last generation saw it."""
 
@@ -78,6 +89,10 @@ class WorkerResult(_Record):
     rows_per_rank_step: int
     global_batch: int
     rap: dict[str, Any] | None = Field(None, description="RAP co-run summary (recforge.rap CorunSession.summary)")
+    executor: ExecutedPreprocessing | None = Field(None, description="the preprocessing path that executed")
+    peak_rss_bytes: list[float] | None = Field(
+        None, description="peak resident memory of each rank of this generation (bytes, by rank): DLRover-RM's "
+        "memory model is fitted on these")
 
     def save(self, output_dir: str | Path) -> Path:
         """Write `output_dir`/result.json atomically (temp file + rename)."""

@@ -43,6 +43,10 @@ class WorkerSpec(BaseModel):
         None, description="RAP mapping JSON (recforge.rap.mapping.worker_mapping): table placements + per-rank co-run "
                           "jobs; ids preprocessed on their table's owner")
     corun_threads: int = Field(1, ge=1, description="intra-op threads of the co-run thread")
+    init_checkpoint: Path | None = Field(
+        None, description="warm start: a final DCP checkpoint (model + optimizer state, e.g. the champion's) loaded "
+                          "at the start when this run has no step checkpoint of its own "
+                          "(recforge.worker.init_checkpoint)")
 
     @model_validator(mode="after")
     def _consistent(self) -> WorkerSpec:

@@ -60,8 +60,14 @@ def create_app(auth: Callable[..., Any] | None = None, *, allow_anonymous: bool 
     def overview() -> dict[str, Any]:
         ml = MlflowView(tracking_uri)
         parents = ml.pipeline_runs()
+        unfinished = ml.unfinished_runs()  # failed or running stage runs: a failed run vs one in progress
         exp = ml.experiment_id()
-        rows = [run_summary(r, parents.get(r.run_key), links, exp) for r in list_runs(root())]
+        rows = []
+        for r in list_runs(root()):
+            mlruns = dict(unfinished.get(r.run_key, {}))
+            if r.run_key in parents:
+                mlruns["pipeline"] = parents[r.run_key]
+            rows.append(run_summary(r, mlruns, links, exp))
         return {"runs": rows, "experiment_url": links.experiment(exp), "problems": ml.problems,
                 "runs_dir": str(root())}
 

@@ -20,6 +20,7 @@ MAX_ARTIFACT_BYTES = 4 << 20
 EVENTS_ARTIFACT = "resource_model/events.jsonl"
 RECORD_ARTIFACT = "resource_model/record.json"
 PLOT_ARTIFACT = "resource_model/predicted_vs_measured.png"
+MAX_CURVE_POINTS = 500
 
 
 @dataclass
@@ -80,6 +81,25 @@ class MlflowView:
             self._note("MLflow pipeline runs", e)
             return {}
         return {r.data.tags[RUN_KEY_TAG]: MlflowRun.of(r) for r in runs if RUN_KEY_TAG in r.data.tags}
+
+    def unfinished_runs(self) -> dict[str, dict[str, MlflowRun]]:
+        """run key -> stage (and "pipeline") -> run, for every run of the experiment not FINISHED (one search):
+        what the runs list needs to tell a failed run from one in progress."""
+        exp = self.experiment_id()
+        if exp is None:
+            return {}
+        try:
+            runs = self.store.client.search_runs([exp], filter_string="attributes.status != 'FINISHED'",
+                                                 max_results=5000)
+        except Exception as e:  # shown, not raised
+            self._note("MLflow runs not finished", e)
+            return {}
+        out: dict[str, dict[str, MlflowRun]] = {}
+        for r in runs:
+            tags = r.data.tags
+            if RUN_KEY_TAG in tags and STAGE_TAG in tags:
+                out.setdefault(tags[RUN_KEY_TAG], {})[tags[STAGE_TAG]] = MlflowRun.of(r)
+        return out
 
     def stage_runs(self, run_key: str) -> dict[str, MlflowRun]:
         """stage name (and "pipeline" for the parent) -> run."""
@@ -156,6 +176,30 @@ class MlflowView:
             if isinstance(row, dict):
                 rows.append(row)
         return rows
+
+    def events(self, run: MlflowRun) -> list[dict[str, Any]]:
+        """DLRover-RM's events logged to a stage run (recforge.tracking.resource_models.log_events)."""
+        return self.artifact_jsonl(run, EVENTS_ARTIFACT)
+
+    def metric_history(self, run: MlflowRun, key: str, max_points: int = MAX_CURVE_POINTS) -> list[tuple[int, float]]:
+        """(step, value) of one metric, one value per step (the latest logged: a resumed run may log a step
+        again), at most `max_points` (evenly thinned, the last kept)."""
+        if key not in run.metrics:
+            return []
+        try:
+            history = self.store.client.get_metric_history(run.run_id, key)
+        except Exception as e:  # shown, not raised
+            self._note(f"metric {key} of run {run.run_id}", e)
+            return []
+        latest: dict[int, tuple[int, float]] = {}
+        for m in history:
+            if m.step not in latest or m.timestamp >= latest[m.step][0]:
+                latest[m.step] = (m.timestamp, m.value)
+        points = sorted((step, value) for step, (_, value) in latest.items())
+        if len(points) > max_points:
+            stride = len(points) / max_points
+            points = [points[int(i * stride)] for i in range(max_points - 1)] + [points[-1]]
+        return points
 
     def model_version(self, name: str, version: str) -> dict[str, Any] | None:
         try:

@@ -2,9 +2,12 @@
 data does. Pure data (strings, numbers, lists): the templates render it with escaping on.
 
 Each stage's outputs are read as its model (recforge.pipelines.outputs); a file that does not validate is listed
-under the problems with the fields, and still shows raw under "recorded outputs". Optional fields that get their own
-section: plan_resources/train `rap_schedule` (Gantt), `resource_decisions` (event dicts), plan_resources `fusion`;
-compile report fields the model does not declare show as they are.
+under the problems with the fields, and still shows raw under "recorded outputs". The per-system sections (what RAP,
+DLRover-RM, RECom, checkpoints, the executor, warm start and the champion gate decided, did and measured) and the
+run's status (failed with its error, running, complete) are recforge.pipelines.summary's, as `recforge summary`
+prints them. Charts: the RAP Gantt (plan_resources/train `rap_schedule`, else the co-run schedule file over the
+profiled stages), fused groups (plan_resources `fusion`, else the schedule's groups), the training curve (the train
+run's per-step MLflow metrics), DLRover-RM's workers after each decision.
 MLflow artifacts: resource_model/events.jsonl (plan_resources, train), resource_model/record.json and
 resource_model/predicted_vs_measured.png (train).
 """
@@ -12,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,10 +27,23 @@ from recforge.pipelines.outputs import (
     PublishOutputs,
     TrainOutputs,
 )
+from recforge.pipelines.summary import (
+    CURVE_METRICS,
+    ERROR_TAG,
+    PIPELINE,
+    RunFacts,
+    fmt,
+    recorded_events,
+    run_status,
+    stage_run,
+    system_sections,
+)
 from recforge.ui import charts
 from recforge.ui.links import MlflowLinks
-from recforge.ui.mlflow_view import EVENTS_ARTIFACT, PLOT_ARTIFACT, RECORD_ARTIFACT, MlflowRun, MlflowView
-from recforge.ui.runs import STAGES, RunRecord, load_plan
+from recforge.ui.mlflow_view import PLOT_ARTIFACT, RECORD_ARTIFACT, MlflowRun, MlflowView
+from recforge.ui.runs import STAGES, RunRecord, load_plan, read_json
+
+__all__ = ["fmt", "run_detail", "run_summary"]
 
 RAW_JSON_CHARS = 20_000
 COMPILE_FIELDS = (
@@ -39,24 +54,7 @@ COMPILE_FIELDS = (
     ("within_tolerance", "within tolerance"), ("eager_median_ms", "eager latency (median ms)"),
     ("compiled_median_ms", "compiled latency (median ms)"), ("speedup", "speedup vs eager"),
 )
-
-
-def fmt(value: Any) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return str(value)
-        if value.is_integer() and abs(value) >= 1000:
-            return f"{int(value):,}"
-        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e7):
-            return f"{value:.3e}"
-        return f"{value:,.4f}".rstrip("0").rstrip(".") if abs(value) < 1000 else f"{value:,.1f}"
-    return str(value)
+CURVE_LABELS = {"train_loss": "train loss", "train_auc": "train AUC"}
 
 
 def when(seconds: float | None) -> str:
@@ -82,23 +80,43 @@ def _op_chain(ops: Any) -> str:
     return " → ".join(parts)
 
 
+def facts_of(run: RunRecord, mlruns: dict[str, MlflowRun], ml: MlflowView | None = None) -> RunFacts:
+    """recforge.pipelines.summary's facts of a run: its outputs as read here, its MLflow runs' states and errors,
+    the parent's params, the train run's latest metrics, DLRover-RM's events (`ml`: read from MLflow where the
+    stages did not record them; None: from the outputs only)."""
+    facts = RunFacts(
+        run.run_key,
+        outputs={s: r.outputs for s, r in run.stages.items() if r.outputs is not None},
+        unreadable={s: r.problem for s, r in run.stages.items() if r.problem},
+        runs={s: stage_run(r.status, r.tags) for s, r in mlruns.items()},
+        params=dict(mlruns[PIPELINE].params) if PIPELINE in mlruns else {},
+        train_metrics=dict(mlruns["train"].metrics) if "train" in mlruns else {},
+    )
+    facts.events = recorded_events(
+        facts, lambda stage: ml.events(mlruns[stage]) if ml is not None and stage in mlruns else [])
+    return facts
+
+
 def stage_states(run: RunRecord, mlruns: dict[str, MlflowRun], links: MlflowLinks) -> list[dict[str, Any]]:
+    """Per stage: done | unreadable | failed (its MLflow run FAILED or KILLED, with the error) | running | missing."""
     rows = []
     for stage in STAGES:
         rec, ml = run.stages[stage], mlruns.get(stage)
+        error = None
         if rec.problem:
             state = "unreadable"
         elif rec.done:
             state = "done"
         elif ml is not None and ml.status in ("FAILED", "KILLED"):
             state = "failed"
+            error = ml.tags.get(ERROR_TAG) or "no reason recorded"
         elif ml is not None and ml.status == "RUNNING":
             state = "running"
         else:
             state = "missing"
         run_id = (rec.outputs.mlflow_run_id if rec.outputs else None) or (ml.run_id if ml else None)
         exp = ml.experiment_id if ml else None
-        rows.append({"name": stage, "state": state, "problem": rec.problem, "run_id": run_id,
+        rows.append({"name": stage, "state": state, "problem": rec.problem, "error": error, "run_id": run_id,
                      "url": links.run(exp or _exp_of(mlruns), run_id)})
     return rows
 
@@ -107,31 +125,49 @@ def _exp_of(mlruns: dict[str, MlflowRun]) -> str | None:
     return next((r.experiment_id for r in mlruns.values()), None)
 
 
-def run_summary(run: RunRecord, parent: MlflowRun | None, links: MlflowLinks, experiment_id: str | None) -> dict:
-    """One row of the runs list (a stage whose outputs do not validate counts as not done)."""
+def run_summary(run: RunRecord, mlruns: dict[str, MlflowRun], links: MlflowLinks,
+                experiment_id: str | None) -> dict:
+    """One row of the runs list. `mlruns`: the run's parent ("pipeline") and its stage runs not FINISHED, enough
+    to tell a failed run (with the error) from one in progress; a stage whose outputs do not validate is not done."""
     ev, comp, pub = run.read(EvaluateOutputs), run.read(CompileOutputs), run.read(PublishOutputs)
+    parent = mlruns.get(PIPELINE)
     params = parent.params if parent else {}
-    failed_at = next((s for s in STAGES if not run.stages[s].done), None)
+    status = run_status(facts_of(run, mlruns))
     return {
         "run_key": run.run_key, "modified": when(run.modified),
-        "status": "complete" if failed_at is None else f"{len(run.done)}/{len(STAGES)} stages (next: {failed_at})",
-        "complete": failed_at is None,
+        "state": status["state"], "status": status["text"], "error": status["error"],
+        "complete": status["state"] == "complete",
         "auc": fmt(ev.auc if ev else None), "ceiling": fmt(ev.auc_ceiling if ev else None),
         "speedup": fmt(comp.report.speedup if comp else None),
         "model": f"{pub.model_name} v{pub.version}" if pub else None,
         "model_url": links.model_version(pub.model_name, pub.version) if pub else None,
         "promoted": fmt(pub.promoted) if pub else "–",
         "mlflow_url": links.run(experiment_id, parent.run_id if parent else None),
-        "params": {k: params[k] for k in ("rows_per_day", "seed", "resources.workers") if k in params},
+        "params": {k: params[k] for k in ("rows_per_day", "seed", "resources.workers", "resources.policy",
+                                          "preprocessing") if k in params},
     }
+
+
+def system_rows(facts: RunFacts, status: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-system sections, values formatted for the page."""
+    out = []
+    for sec in system_sections(facts, status):
+        d = sec.to_dict()
+        for part in ("decided", "did", "measured"):
+            d[part] = [(label, fmt(value)) for label, value in d[part]]
+        out.append(d)
+    return out
 
 
 def run_detail(run: RunRecord, ml: MlflowView, links: MlflowLinks) -> dict[str, Any]:
     mlruns = ml.stage_runs(run.run_key)
-    parent = mlruns.get("pipeline")
+    parent = mlruns.get(PIPELINE)
     exp = ml.experiment_id()
+    facts = facts_of(run, mlruns, ml)
+    status = run_status(facts)
     page: dict[str, Any] = {
         "run_key": run.run_key, "modified": when(run.modified),
+        "status": status,
         "stages": stage_states(run, mlruns, links),
         "pipeline_url": links.run(exp, parent.run_id if parent else None),
         "experiment_url": links.experiment(exp),
@@ -147,11 +183,12 @@ def run_detail(run: RunRecord, ml: MlflowView, links: MlflowLinks) -> dict[str, 
             problems.append(f"{name} section: recorded outputs not understood ({type(e).__name__}: {e})")
             return None
 
+    page["systems"] = section("systems", system_rows, facts, status) or []
     page["data"] = section("data", _data_section, run)
     page["plan"] = section("plan", _plan_section, run)
     page["schedule"] = section("schedule", _schedule_section, run)
-    page["resources"] = section("resources", _resource_section, run, mlruns, ml)
-    page["training"] = section("training", _training_section, run, mlruns.get("train"))
+    page["resources"] = section("resources", _resource_section, run, mlruns, ml, facts.events)
+    page["training"] = section("training", _training_section, run, mlruns.get("train"), ml)
     page["evaluation"] = section("evaluation", _evaluation_section, run)
     page["compile"] = section("compile", _compile_section, run)
     page["publish"] = section("publish", _publish_section, run, ml, links, exp)
@@ -197,17 +234,23 @@ def _plan_section(run: RunRecord) -> dict | None:
         ops = " → ".join(part.split("(")[0] for part in f["chain"].split(" → ")) if f["chain"] else "–"
         chains.setdefault((str(f["kind"]), ops), []).append(str(f["name"]))
     fusion = out.fusion
-    groups = []
-    if fusion:
-        for g in fusion.get("groups") or []:
-            groups.append(g if isinstance(g, str) else json.dumps(g, default=str))
+    schedule, _ = _corun_schedule(run, out)
+    placed: dict[str, list[str]] = {}  # group -> "stage (ms)" of each of its co-run assignments
+    for a in (schedule or {}).get("assignments") or []:
+        if isinstance(a, dict):
+            placed.setdefault(str(a.get("group")), []).append(f"{a.get('stage')} ({fmt(_num(a, 'predicted_ms'))} ms)")
+    names = [g if isinstance(g, str) else json.dumps(g, default=str) for g in (fusion or {}).get("groups") or []]
+    groups_from = "RAP's plan compiler (plan_resources fusion)" if names else None
+    if not names and placed:
+        names, groups_from = list(placed), "the co-run schedule"
+    groups = [{"name": g, "stages": ", ".join(placed.get(g, [])) or "–"} for g in names]
     return {
         "name": (plan or {}).get("name"), "problem": problem, "features": features,
         "chains": [{"kind": k, "ops": ops, "count": len(names), "features": _name_span(names)}
                    for (k, ops), names in chains.items()],
         "dense": sum(f["kind"] == "dense" for f in features), "sparse": sum(f["kind"] == "sparse" for f in features),
         "fusion": [(k, fmt(v)) for k, v in (fusion or {}).items() if not isinstance(v, (list, dict))],
-        "groups": groups,
+        "groups": groups, "groups_from": groups_from, "corun": schedule is not None,
     }
 
 
@@ -215,15 +258,47 @@ def _name_span(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, … {names[-1]}"
 
 
-def _schedule_section(run: RunRecord) -> dict | None:
-    for out in (run.read(PlanOutputs), run.read(TrainOutputs)):
-        schedule = out.rap_schedule if out is not None else None
-        if out is not None and schedule is not None:
-            try:
-                return {"stage": out.stage, "chart": charts.gantt(schedule), "problem": None}
-            except charts.ChartError as e:
-                return {"stage": out.stage, "chart": None, "problem": str(e)}
-    return None
+def _corun_schedule(run: RunRecord, out: PlanOutputs) -> tuple[dict | None, str | None]:
+    """The co-run schedule file plan_resources recorded (corun.schedule_path), parsed; (None, why) without one."""
+    if out.corun is None:
+        return None, None
+    path = run.inside(out.corun.schedule_path, "plan_resources")
+    if path is None:
+        return None, "the co-run schedule file recorded by plan_resources is missing"
+    data, problem = read_json(path)
+    if problem is None and not isinstance(data, dict):
+        return None, "the co-run schedule file holds no object"
+    return data, problem
+
+
+def _gantt(stage: str, title: str, build) -> dict[str, Any]:
+    try:
+        return {"stage": stage, "title": title, "chart": charts.gantt(build()), "problem": None}
+    except charts.ChartError as e:
+        return {"stage": stage, "title": title, "chart": None, "problem": str(e)}
+
+
+def _schedule_section(run: RunRecord) -> list[dict[str, Any]] | None:
+    """RAP's Gantt charts: as planned (plan_resources `rap_schedule`, else its co-run schedule file over the
+    profiled stage times) and as run (train `rap_schedule`)."""
+    plan, train = run.read(PlanOutputs), run.read(TrainOutputs)
+    out: list[dict[str, Any]] = []
+    if plan is not None and plan.rap_schedule is not None:
+        out.append(_gantt("plan_resources", "planned", lambda: plan.rap_schedule))
+    elif plan is not None and plan.corun is not None:
+        schedule, problem = _corun_schedule(run, plan)
+        profile = plan.corun.profile
+        meta = (schedule or {}).get("meta") or {}
+        stage_ms = profile.stage_ms if profile else meta.get("stage_ms")
+        capacity_ms = profile.capacity_ms if profile else meta.get("capacity_ms")
+        if problem:
+            out.append({"stage": "plan_resources", "title": "planned", "chart": None, "problem": problem})
+        else:
+            out.append(_gantt("plan_resources", "planned, over the profiled stage times",
+                              lambda: charts.corun_gantt(schedule, stage_ms, capacity_ms)))
+    if train is not None and train.rap_schedule is not None:
+        out.append(_gantt("train", "as run", lambda: train.rap_schedule))
+    return out or None
 
 
 DECISION_STAGES = ("warm_start", "runtime", "instability")  # recforge.elastic.optimizer.events.STAGES
@@ -239,15 +314,10 @@ def _workers_of(plan: Any) -> float | None:
     return _num(plan, "workers") if isinstance(plan, dict) else None
 
 
-def _resource_section(run: RunRecord, mlruns: dict[str, MlflowRun], ml: MlflowView) -> dict | None:
+def _resource_section(run: RunRecord, mlruns: dict[str, MlflowRun], ml: MlflowView,
+                      events: list[dict[str, Any]]) -> dict | None:
+    """`events`: DLRover-RM's, as recorded (recforge.pipelines.summary.recorded_events)."""
     plan_out, train_out = run.read(PlanOutputs), run.read(TrainOutputs)
-    events: list[dict] = []
-    for stage, out in (("plan_resources", plan_out), ("train", train_out)):
-        recorded = out.resource_decisions if out is not None else None
-        if recorded is not None:
-            events += recorded
-        elif stage in mlruns:
-            events += ml.artifact_jsonl(mlruns[stage], EVENTS_ARTIFACT)
     train_run = mlruns.get("train")
     plot = ml.artifact_png(train_run, PLOT_ARTIFACT) if train_run else None
     record = ml.artifact_json(train_run, RECORD_ARTIFACT) if train_run else None
@@ -291,15 +361,25 @@ def _resource_section(run: RunRecord, mlruns: dict[str, MlflowRun], ml: MlflowVi
     }
 
 
-def _training_section(run: RunRecord, train_run: MlflowRun | None) -> dict | None:
+def _training_section(run: RunRecord, train_run: MlflowRun | None, ml: MlflowView) -> dict | None:
+    """What train recorded, and the training curve: the train run's per-step metrics (also while it runs)."""
     out = run.read(TrainOutputs)
-    if out is None:
+    curves = []
+    if train_run is not None:
+        for key in CURVE_METRICS:
+            chart = charts.line_series(ml.metric_history(train_run, key), CURVE_LABELS.get(key, key))
+            if chart is not None:
+                curves.append({"metric": key, "chart": chart})
+    if out is None and not curves:
         return None
-    rows = [("samples/s", fmt(out.samples_per_s)), ("steps", fmt(out.steps)),
-            ("workers (world size)", fmt(out.world_size)), ("wall time (s)", fmt(out.wall_s))]
+    rows = []
+    if out is not None:
+        rows = [("samples/s", fmt(out.samples_per_s)), ("steps", fmt(out.steps)),
+                ("workers (world size)", fmt(out.world_size)), ("wall time (s)", fmt(out.wall_s)),
+                ("preprocessing the workers ran", fmt(out.preprocessing))]
     if train_run and "final_train_loss" in train_run.metrics:
         rows.append(("final train loss", fmt(train_run.metrics["final_train_loss"])))
-    return {"rows": rows}
+    return {"rows": rows, "curves": curves, "in_progress": out is None}
 
 
 def _evaluation_section(run: RunRecord) -> dict | None:
@@ -314,6 +394,13 @@ def _evaluation_section(run: RunRecord) -> dict | None:
         if ceiling > 0.5:
             rows.append(("lift over chance reached", f"{100 * (auc - 0.5) / (ceiling - 0.5):.1f} %"))
     rows += [("log loss", fmt(ev.logloss)), ("normalized entropy", fmt(ev.ne)), ("rows evaluated", fmt(ev.rows))]
+    champ = ev.champion
+    if champ is not None:
+        rows += [(f"champion v{champ.version}: AUC, same day", fmt(champ.auc)),
+                 (f"champion v{champ.version}: log loss", fmt(champ.logloss)),
+                 (f"champion v{champ.version}: rows evaluated", fmt(champ.rows))]
+    else:
+        rows.append(("champion on the same day", "no champion yet"))
     return {"rows": rows, "auc": auc, "ceiling": ceiling}
 
 
@@ -353,6 +440,7 @@ def _publish_section(run: RunRecord, ml: MlflowView, links: MlflowLinks, exp: st
     return {
         "model": f"{name} v{version}", "url": links.model_version(name, version),
         "promoted": fmt(pub.promoted), "reason": pub.reason,
+        "challenger_auc": fmt(pub.challenger_auc), "champion_auc": fmt(pub.champion_auc),
         "aliases": ", ".join(mv["aliases"]) if mv and mv["aliases"] else "–",
         "status": mv["status"] if mv else "–",
         "source_run_url": links.run(exp, mv["run_id"]) if mv else None,

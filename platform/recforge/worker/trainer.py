@@ -7,9 +7,12 @@ spec.checkpoint_dir, and on rank 0 output_dir/result.json + probe.pt.
 Recovery (spec.recovery, recforge.train.recovery.restart): a group first loads the newest usable step checkpoint
 (any world size) and rolls the job master back to the data state stored with it; it takes step checkpoints (flash
 or disk) at logging-window boundaries; a stop command from the master (rescale) checkpoints and returns None.
+Rank 0 appends group starts, checkpoints and the finish to recovery.events_file, and logs MLflow metrics only at
+steps after the last one an earlier group of the run logged (a resumed group re-trains steps a dead one logged).
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -18,11 +21,12 @@ from typing import Any
 import torch
 
 from recforge.preprocess.executor import make_executor
+from recforge.preprocess.executors import record as executed_paths
 from recforge.preprocess.planning.plan import Plan
 from recforge.train.loop.accumulate import train_epoch_accumulated
 from recforge.train.loop.batches import empty
 from recforge.train.loop.ledger import Ledger
-from recforge.train.loop.step_loop import Heartbeat, train_epoch
+from recforge.train.loop.step_loop import EpochStats, Heartbeat, LoopState, train_epoch
 from recforge.train.loop.window import GroupStop, WindowHook
 from recforge.train.metrics_sink import AsyncMetricsSink, LogFn
 from recforge.train.model import build_dlrm
@@ -30,12 +34,14 @@ from recforge.train.probe import probe_logits
 from recforge.train.recovery.checkpoint import save_checkpoint
 from recforge.train.recovery.checkpointer import Checkpointer
 from recforge.train.recovery.flash import agent_present
+from recforge.train.recovery.layout import fingerprint
 from recforge.train.recovery.restart import resume_group
-from recforge.train.result import ResumedFrom, WorkerResult
+from recforge.train.result import ExecutedPreprocessing, ResumedFrom, WorkerResult
 from recforge.train.sharding import shard_model
 from recforge.train.spec import WorkerSpec
 from recforge.worker.corun import epoch_source, start_session, worker_mapping
 from recforge.worker.elastic_client import join_master, launch_generation
+from recforge.worker.init_checkpoint import load_init_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +66,64 @@ def _metrics_sink(spec: WorkerSpec) -> AsyncMetricsSink | None:
     return AsyncMetricsSink(fn, spec.tracking_uri, spec.mlflow_run_id) if fn is not None else None
 
 
+def last_logged_step(spec: WorkerSpec) -> int | None:
+    """The highest train_loss step already in the spec's MLflow run (None: none, or no tracking)."""
+    if not spec.mlflow_run_id or not spec.tracking_uri:
+        return None
+    try:
+        from recforge.tracking.metrics import last_logged_step as last  # lazy: mlflow, rank 0 of a tracked run only
+        return last(spec.tracking_uri, spec.mlflow_run_id, "train_loss")
+    except Exception as e:  # tracking trouble must not kill a training job
+        log.warning("could not read the run's logged steps (%r): metrics may repeat steps", e)
+        return None
+
+
+class AfterStep:
+    """A metrics sink that drops steps up to `after`: an earlier group of this run logged those (its lost timeline)."""
+
+    def __init__(self, sink: AsyncMetricsSink, after: int | None) -> None:
+        self.sink, self.after = sink, after
+
+    def __call__(self, metrics: dict[str, float], step: int) -> None:
+        if self.after is None or step > self.after:
+            self.sink(metrics, step)
+
+    def close(self) -> None:
+        self.sink.close()
+
+
+class Events:
+    """Rank 0's append-only record of group starts, step checkpoints and finishes (recovery.events_file)."""
+
+    def __init__(self, path: Path | None, rank: int, generation: int) -> None:
+        self.path = Path(path) if path is not None and rank == 0 else None
+        self.generation = generation
+        self.t_train: float | None = None  # set when the training loop starts
+
+    def train_s(self) -> float:
+        return time.perf_counter() - self.t_train if self.t_train is not None else 0.0
+
+    def add(self, event: str, **fields: Any) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"event": event, "generation": self.generation, "time": time.time(), **fields})
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+
+
+class RecordedCheckpointer(Checkpointer):
+    """A Checkpointer whose saves go to the events file with their stall."""
+
+    events: Events
+
+    def save(self, state: LoopState, current: EpochStats | None, progress: dict[str, int]) -> Path:
+        path = super().save(state, current, progress)
+        self.events.add("checkpoint", step=state.step, stall_s=self.stalls_s[-1], train_s=self.events.train_s(),
+                        kind="memory" if self.memory_root is not None else "disk")
+        return path
+
+
 def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> WorkerResult | None:
     """Train this rank; rank 0 returns (and writes) the result, other ranks and a stopped group return None."""
     t_start = time.perf_counter()
@@ -69,6 +133,8 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
     per_rank = rank_step_rows(spec, world_size)
     plan = Plan.load(spec.plan_path)
     tables, num_dense = plan.tables(), len(plan.dense_features())
+    # what every checkpoint of this run holds: loaders refuse one of another model or plan (layout.check_compatible)
+    model_fingerprint = fingerprint(spec.model.model_dump(mode="json"), tables, num_dense, plan.model_dump(mode="json"))
     torch.manual_seed(spec.seed)
     model = build_dlrm(spec.model, tables, num_dense, device)
     mapping = worker_mapping(spec, world_size, rank)  # RAP's mapping (co-run with a planned mapping), else None
@@ -86,6 +152,12 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
     start = resume_group(sharded.model, sharded.optimizer, client, rank=rank, disk_root=disk_root,
                          memory_root=memory_root if rec.flash else None, reason=f"generation {generation} starts")
     state, restored = start.state, start.restored
+    if restored is None and spec.init_checkpoint is not None:  # warm start; the run's own checkpoint comes first
+        load_init_checkpoint(sharded.model, sharded.optimizer, spec.init_checkpoint, rank=rank,
+                             world_size=world_size, output_dir=spec.output_dir)
+    events = Events(rec.events_file, rank, generation)
+    events.add("start", world_size=world_size, step=state.step, resumed_from_step=restored.step if restored else None,
+               source=restored.source if restored else None)
     ledger = None
     if rec.ledger_dir is not None:
         ledger = Ledger(rec.ledger_dir, generation, rank, since=state.step)
@@ -97,23 +169,26 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
         log.warning("recovery.flash is set but no flash agent runs (%s unset): checkpoints go to disk synchronously",
                     "RECFORGE_FLASH_AGENT")
     summary_plan = sharded.plan_summary()
-    checkpointer = Checkpointer(
+    checkpointer = RecordedCheckpointer(
         sharded.model, sharded.optimizer, client, rank=rank, world_size=world_size, generation=generation,
         every_steps=rec.checkpoint_every_steps, disk_root=disk_root, memory_root=memory_root if flash else None,
         keep=rec.keep_checkpoints, ledger=ledger, last_step=state.step,
-        extra_meta=lambda: {"sharding_plan": summary_plan, "batch_size": bs, "grad_accumulation": accumulation},
+        extra_meta=lambda: {"sharding_plan": summary_plan, "batch_size": bs, "grad_accumulation": accumulation,
+                            "fingerprint": model_fingerprint},
     )
+    checkpointer.events = events
     current: dict[str, Any] = {"source": None}
     hook = WindowHook(checkpointer, client, lambda: current["source"].progress() if current["source"] else {},
                       rank=rank, generation=generation, micro_batch=micro)
     heartbeat = Heartbeat(client, interval_s=min(10.0, spec.train.lease_timeout_s / 4))
-    sink = _metrics_sink(spec) if rank == 0 else None
-    if sink is not None:  # connect to the tracking store before the clock starts
-        sink.log_now({"world_size": float(world_size), "batch_size": float(bs)}, 0)
+    async_sink = _metrics_sink(spec) if rank == 0 else None
+    # connects to the tracking store before the clock starts; steps up to this one were logged by a dead group
+    sink = AfterStep(async_sink, last_logged_step(spec)) if async_sink is not None else None
     samples_before = sum(e.samples for e in state.epochs) + (start.current.samples if start.current else 0)
     corun = start_session(spec, plan, sharded, device, mapping=mapping, rank=rank, world_size=world_size,
                           batch_size=micro)  # RAP co-running, else None; created last: the try below closes it
-    t_train = time.perf_counter()
+    ran_before = executed_paths.mark()  # the executor path is counted over the training batches only
+    t_train = events.t_train = time.perf_counter()
     try:
         for epoch in range(start.start_epoch, spec.train.epochs):
             client.epoch = epoch
@@ -129,6 +204,7 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
     except GroupStop as stop:
         if rank == 0:
             log.warning("generation %d stops at step %d: %s", generation, state.step, stop)
+        events.add("stop", step=state.step, train_s=events.train_s())
         if sink is not None:
             sink.close()
         client.close()
@@ -139,13 +215,19 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
         if corun is not None:
             corun.close()
     train_wall = time.perf_counter() - t_train
+    executed = executed_paths.summarize(spec.preprocess_executor, executed_paths.since(ran_before),
+                                        preprocessing=spec.preprocessing, generation=generation, rank=rank)
+    if rank == 0:
+        log.info("preprocessing executed: %s (native kernels: %s)", executed["path"], executed["native_kernels"])
+    events.add("finish", step=state.step, train_s=train_wall)
     client.close()
 
     probe = probe_logits(sharded.model, spec.manifest_dir, spec.dataset, executor, micro, device)
     summary = sharded.plan_summary()
     meta = {"world_size": world_size, "sharding_plan": summary, "model": spec.model.model_dump(mode="json"),
-            "tables": tables, "num_dense": num_dense, "steps": state.step}
+            "tables": tables, "num_dense": num_dense, "steps": state.step, "fingerprint": model_fingerprint}
     save_checkpoint(sharded.model, sharded.optimizer, spec.checkpoint_dir, rank=rank, meta=meta)
+    peak_rss = gather_peak_rss(world_size)  # every rank: DLRover-RM fits its memory model on these
     if rank != 0:
         return None
     samples = sum(e.samples for e in state.epochs) - samples_before  # trained by this group
@@ -176,13 +258,15 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
         rows_per_rank_step=per_rank,
         global_batch=per_rank * world_size,
         rap=corun.summary() if corun is not None else None,
+        executor=ExecutedPreprocessing.model_validate(executed),
+        peak_rss_bytes=peak_rss,
     )
     out = Path(spec.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(probe, out / PROBE_FILE)
-    if sink is not None:
-        sink({"final_train_loss": result.final_loss or float("nan"),
-              "train_samples_per_s": result.samples_per_s}, state.step)
+    if sink is not None:  # the end of the lineage: logged at its step whatever a dead group logged
+        sink.sink({"final_train_loss": result.final_loss or float("nan"),
+                   "train_samples_per_s": result.samples_per_s}, state.step)
         sink.close()
     result.save(out)
     log.info("result: %s",
@@ -201,3 +285,19 @@ def rank_step_rows(spec: WorkerSpec, world_size: int) -> int:
         raise ValueError(f"recovery.grad_accumulation={rec.grad_accumulation} does not divide the {rows} rows a rank "
                          f"trains per step")
     return rows
+
+
+def gather_peak_rss(world_size: int) -> list[float]:
+    """Every rank's peak resident memory in bytes (VmHWM; ru_maxrss where /proc is missing), by rank."""
+    import resource  # lazy: only at the end of a run
+
+    try:
+        with open("/proc/self/status") as f:
+            mine = next(float(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mine = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+    if world_size == 1 or not torch.distributed.is_initialized():
+        return [mine]
+    out: list[float | None] = [None] * world_size
+    torch.distributed.all_gather_object(out, mine)
+    return [float(v or 0.0) for v in out]

@@ -3,20 +3,29 @@
 `python -m torch.distributed.run --nnodes=1 --nproc-per-node=N --rdzv-backend=c10d
 --rdzv-endpoint=127.0.0.1:<free port> --max-restarts=R --monitor-interval=S -m MODULE SPEC`
 runs in its own process group with OMP_NUM_THREADS=threads_per_worker; stdout and stderr of
-torchrun and of every worker go to one log file. torchrun restarts the whole group up to R times
+torchrun and of every worker go to one log file, appended to by every launch (a relaunched group
+never overwrites the dead group's lines). torchrun restarts the whole group up to R times
 when a worker fails (workers see TORCHELASTIC_RESTART_COUNT, which MasterClient sends as its
 launch generation).
+
+No orphans: torchrun gets SIGTERM when the launching thread's process dies (PR_SET_PDEATHSIG, SIGKILL
+included) and stops its workers; `recforge.worker` sets the same on itself against torchrun.
+`LogRelay` follows the log into a Python logger (the train task's Airflow log).
 """
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -28,6 +37,24 @@ from recforge.elastic.policy import ResourcePlan
 from recforge.train.distributed import free_port
 
 DEFAULT_WORKER_MODULE = "recforge.worker"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> bool:
+    """Ask Linux to send `sig` to this process when the thread that started it exits (a killed parent
+    included). Where the parent is already gone (`expected_parent` no longer ours) the signal is sent now.
+    False where prctl is unavailable (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os.kill(os.getpid(), sig)  # the parent died before prctl took effect
+    return True
 
 
 @dataclass
@@ -39,6 +66,7 @@ class LocalHandle:
     rdzv_endpoint: str
     _log: IO[bytes] | None = field(default=None, repr=False)
     exit_code: int | None = None
+    log_offset: int = 0  # where this launch's lines start in the (appended) log
 
 
 class LocalBackend:
@@ -96,14 +124,21 @@ class LocalBackend:
         env["OMP_NUM_THREADS"] = str(plan.threads_per_worker)
         env["MKL_NUM_THREADS"] = str(plan.threads_per_worker)
         env["PYTHONUNBUFFERED"] = "1"
-        log = open(log_path, "wb")  # noqa: SIM115 (closed in wait/stop)
-        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log = open(log_path, "ab")  # noqa: SIM115 (closed in wait/stop); appended: a relaunch keeps the dead group's
+        offset = log.tell()
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        log.write((f"=== {stamp} launch: {plan.workers} worker(s) x {plan.threads_per_worker} thread(s), "
+                   f"spec {spec_path}\n$ " + " ".join(cmd) + "\n").encode())
         log.flush()
+        parent = os.getpid()
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=env, cwd=self.cwd, start_new_session=True,
+            # torchrun stops its workers on SIGTERM; the workers themselves die with torchrun (recforge.worker)
+            preexec_fn=lambda: set_parent_death_signal(signal.SIGTERM, parent),
         )
-        return LocalHandle(proc=proc, cmd=cmd, log_path=log_path, plan=plan, rdzv_endpoint=endpoint, _log=log)
+        return LocalHandle(proc=proc, cmd=cmd, log_path=log_path, plan=plan, rdzv_endpoint=endpoint, _log=log,
+                           log_offset=offset)
 
     def wait(self, handle: LocalHandle, timeout: float | None = None, check: bool = True) -> int | None:
         try:
@@ -153,8 +188,10 @@ class LocalBackend:
         return [rss for _, rss in sorted(out)]
 
     def log_tail(self, handle: LocalHandle) -> str:
+        """The last lines this launch wrote (earlier launches' lines stay in the file above them)."""
         try:
             with open(handle.log_path, "rb") as f:
+                f.seek(handle.log_offset)
                 lines = deque(f, maxlen=self.tail_lines)
         except FileNotFoundError:
             return "(no log)"
@@ -189,3 +226,75 @@ def _kill_when_alive(proc, deadline: float) -> None:
         proc.kill()
     except psutil.NoSuchProcess:
         pass
+
+
+# rank 0's lines, and warnings / errors of any rank, as recforge.worker formats them ("<time> rank<r> LEVEL name: msg")
+_WORKER_LINE = re.compile(r"^\S+ \S+ rank(\d+) (INFO|WARNING|ERROR|CRITICAL) ")
+_LEVELS = {"INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL}
+
+
+class LogRelay:
+    """Follows a workers' log from its current end and re-logs the workers' own lines (rank 0's, and warnings
+    and errors of every rank) into `logger` every `interval_s`: per-step progress in the launching process's log.
+    Use as a context manager; the rest is flushed on exit."""
+
+    def __init__(self, path: str | Path, logger: logging.Logger, *, interval_s: float = 5.0,
+                 select: Callable[[str], int | None] | None = None) -> None:
+        self.path, self.logger, self.interval_s = Path(path), logger, interval_s
+        self.select = select or worker_line_level
+        self._pos = self.path.stat().st_size if self.path.exists() else 0
+        self._partial = b""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.relayed = 0
+
+    def poll(self) -> int:
+        """Relay the complete lines written since the last poll; returns how many were relayed."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._pos)
+                chunk = f.read()
+        except FileNotFoundError:
+            return 0
+        self._pos += len(chunk)
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        n = 0
+        for raw in lines:
+            line = raw.decode(errors="replace").rstrip()
+            level = self.select(line)
+            if level is not None:
+                self.logger.log(level, "workers: %s", line)
+                n += 1
+        self.relayed += n
+        return n
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.poll()
+            except Exception as e:  # following a log must never take the job down
+                self.logger.debug("log relay: %r", e)
+
+    def __enter__(self) -> LogRelay:
+        self._thread = threading.Thread(target=self._run, name="recforge-log-relay", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.poll()
+
+
+def worker_line_level(line: str) -> int | None:
+    """The level to relay a worker log line at: rank 0's INFO and up, other ranks' WARNING and up, else None."""
+    m = _WORKER_LINE.match(line)
+    if m is None:
+        return None
+    level = _LEVELS[m.group(2)]
+    if m.group(1) != "0" and level < logging.WARNING:
+        return None
+    return level

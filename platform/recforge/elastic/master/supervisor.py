@@ -68,6 +68,7 @@ class Attempt:
     failure: str | None = None
     decision: str | None = None
     wall_s: float = 0.0
+    relaunched: bool = False  # a failed launch the failover policy relaunched
 
 
 @dataclass
@@ -88,12 +89,13 @@ class Supervisor:
         self, master: JobMaster, backend: Backend, failover: FailoverPolicy, write_spec: SpecWriter, *,
         plan: ResourcePlan, batch_size: int, global_batch: int | None = None, failures_dir: Path | None = None,
         persister: Any = None, scaler: Scaler | None = None, timeout_s: float | None = None, poll_s: float = 0.5,
-        first_generation: int = 0,
+        first_generation: int = 0, on_attempt: Callable[[Attempt], None] | None = None,
     ) -> None:
         """`batch_size`: the most rows a rank may train in one forward (train.batch_size); `global_batch`:
         rows per optimizer step over all ranks, kept across rescales (default: plan.workers * batch_size).
         `first_generation`: the first launch's generation base (above every generation an earlier run of
-        this job used, so ledgers and failure records of different launches never alias)."""
+        this job used, so ledgers and failure records of different launches never alias).
+        `on_attempt`: called with each launch's record once its outcome is decided (e.g. to persist it)."""
         self.master, self.backend, self.failover, self.write_spec = master, backend, failover, write_spec
         self.plan, self.batch_size = plan, batch_size
         self.global_batch = global_batch if global_batch is not None else plan.workers * batch_size
@@ -107,6 +109,7 @@ class Supervisor:
         self.restarts = 0
         self.handle: Any = None
         self.first_generation = first_generation
+        self.on_attempt = on_attempt
         self._decision: Rescale | None = None  # the scaler's decision behind the master's pending scale request
         self._relaunch_now: Rescale | None = None
         self._launched_at = time.monotonic()
@@ -136,15 +139,18 @@ class Supervisor:
             if now is not None:  # killed on the scaler's word (pods pending): not a failure
                 attempt.outcome = "rescaled"
                 attempt.decision = self._apply(now, now.reason)
+                self._record(attempt)
                 continue
             if code == 0 and hang is None:
                 scale = self.master.take_scale()
                 if self.master.queue.finished or scale is None:
                     attempt.outcome = "finished" if self.master.queue.finished else "stopped"
                     self._drop_decision("the job finished first")
+                    self._record(attempt)
                     return self._result(code)
                 attempt.outcome = "rescaled"
                 attempt.decision = self._apply(self._decision_for(scale), scale["reason"])
+                self._record(attempt)
                 continue
             if self.persister is not None:
                 self.persister.persist_now()  # what the dead group left in shared memory
@@ -156,6 +162,8 @@ class Supervisor:
                                             grad_accumulation=self.grad_accumulation)
             self.failures.append(failure)
             attempt.failure, attempt.decision = failure.describe(), decision.reason
+            attempt.relaunched = decision.relaunch
+            self._record(attempt)
             if not decision.relaunch:
                 raise self._give_up(decision.reason, code, handle)
             log.warning("worker group of generation(s) %s failed: %s", failure.generations, decision.reason)
@@ -272,6 +280,13 @@ class Supervisor:
         log.warning("%s", text)
         decision.report(True, text)
         return text
+
+    def _record(self, attempt: Attempt) -> None:
+        if self.on_attempt is not None:
+            try:
+                self.on_attempt(attempt)
+            except Exception as e:  # a record must never take the job down
+                log.warning("recording the launch failed: %r", e)
 
     def _launch_info(self, handle: Any) -> dict[str, Any]:
         """What the backend can tell about the running group (empty where it cannot)."""

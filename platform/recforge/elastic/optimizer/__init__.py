@@ -8,8 +8,13 @@ from recforge.elastic.optimizer.models.memory_model import (
     MemoryModel,
     MemorySample,
     MemoryTrend,
+    embedding_bytes_per_rank,
     embedding_shard_bytes,
+    fit_or_prior,
+    leave_one_run_out,
+    local_default_memory,
     next_memory,
+    samples_from_dicts,
 )
 from recforge.elastic.optimizer.models.throughput_model import (
     PS_TERMS,
@@ -34,14 +39,23 @@ from recforge.elastic.optimizer.plans import (
 from recforge.elastic.optimizer.policy import DLRoverPolicy
 from recforge.elastic.optimizer.runtime_stage import RuntimeStage
 from recforge.elastic.optimizer.search import Move, best_moves, clamp, search
-from recforge.elastic.optimizer.warm_start import WarmStart, history_points, local_default_model, warm_start
+from recforge.elastic.optimizer.warm_start import (
+    WarmStart,
+    choose_memory,
+    history_memory_points,
+    history_points,
+    local_default_model,
+    warm_start,
+)
 
 # resource_store (MLflow history and models) is imported by name: it loads recforge.tracking and MLflow.
 __all__ = [
     "DEFAULT_MEMORY_MODEL", "PS_TERMS", "STAGES", "Allocation", "DLRoverPolicy", "Event", "GiB", "History",
     "InMemoryHistory", "InstabilityStage", "JobDescription", "JobLimits", "JobRecord", "MemoryModel", "MemorySample",
     "MemoryTrend", "ModelFitError", "Move", "Observation", "OnlineThroughputModel", "OptimizerConfig", "PodPlan",
-    "ResourceLimitError", "RuntimeStage", "Sample", "ThroughputModel", "WarmStart", "best_moves", "clamp",
-    "embedding_shard_bytes", "fit", "fit_profile", "history_points", "load_profile", "local_default_model",
-    "next_memory", "optimizer_config", "read_jsonl", "search", "to_jsonl", "warm_start", "write_jsonl",
+    "ResourceLimitError", "RuntimeStage", "Sample", "ThroughputModel", "WarmStart", "best_moves", "choose_memory",
+    "clamp", "embedding_bytes_per_rank", "embedding_shard_bytes", "fit", "fit_or_prior", "fit_profile",
+    "history_memory_points", "history_points", "leave_one_run_out", "load_profile", "local_default_memory",
+    "local_default_model", "next_memory", "optimizer_config", "read_jsonl", "samples_from_dicts", "search",
+    "to_jsonl", "warm_start", "write_jsonl",
 ]

@@ -15,8 +15,10 @@ from recforge.elastic.optimizer.models.memory_model import DEFAULT_MEMORY_MODEL,
 from recforge.elastic.optimizer.models.throughput_model import ThroughputModel
 from recforge.elastic.optimizer.plans import JobDescription, JobLimits, OptimizerConfig, PodPlan
 from recforge.elastic.optimizer.runtime_stage import RuntimeStage
-from recforge.elastic.optimizer.warm_start import WarmStart, warm_start
+from recforge.elastic.optimizer.warm_start import WarmStart, history_memory_points, warm_start
 from recforge.elastic.policy import JobInfo, ResourcePlan
+
+MAX_MEMORY_POINTS = 2000  # history points carried from stage 1 to the train task's fit
 
 
 class DLRoverPolicy:
@@ -27,11 +29,14 @@ class DLRoverPolicy:
     memory_per_worker, host_cores, limits (a JobLimits or dict)."""
 
     def __init__(self, history: History | None = None, limits: JobLimits | None = None,
-                 config: OptimizerConfig = OptimizerConfig(), default_model: ThroughputModel | None = None) -> None:
+                 config: OptimizerConfig = OptimizerConfig(), default_model: ThroughputModel | None = None,
+                 default_memory: MemoryModel | None = None) -> None:
         self.history = history
         self.limits = limits
         self.config = config
         self.default_model = default_model
+        self.default_memory = default_memory
+        self.stage1: dict[str, Any] = {}  # the stage 1 state this policy was restored from (from_stage1)
         self.events: list[Event] = []
         self.warm: WarmStart | None = None
         self.job: JobDescription | None = None
@@ -57,6 +62,8 @@ class DLRoverPolicy:
         limits.check()
         policy = cls(limits=limits, config=config, default_model=prior)
         policy.job, policy.warm, policy._restored = job, WarmStart(plan, [], prior, memory), True
+        policy.warm.memory_note = str(state.get("memory_source", ""))
+        policy.stage1 = dict(state)
         return policy
 
     def stage1_state(self) -> dict[str, Any]:
@@ -66,7 +73,9 @@ class DLRoverPolicy:
                         "host_cores": job.host_cores, "batch_size": job.requested.batch_size},
                 "limits": dict(limits.__dict__), "plan": w.plan.to_dict(),
                 "prior": w.prior.to_dict() if w.prior is not None else None, "memory": w.memory.to_dict(),
-                "table_bytes": list(job.table_bytes)}
+                "memory_source": w.memory_note, "table_bytes": list(job.table_bytes),
+                # earlier runs' measured peaks: the train task fits this run's memory model on them and its own
+                "memory_points": [s.to_dict() for s in history_memory_points(w.records)][:MAX_MEMORY_POINTS]}
 
     def describe(self, job: JobInfo) -> tuple[JobDescription, JobLimits]:
         x = dict(job.extra or {})
@@ -92,7 +101,7 @@ class DLRoverPolicy:
             return self.warm.plan.to_resource_plan()
         desc, limits = self.describe(job)
         self.job, self.limits = desc, limits
-        self.warm = warm_start(desc, self.history, limits, self.config, self.default_model)
+        self.warm = warm_start(desc, self.history, limits, self.config, self.default_model, self.default_memory)
         self.events.extend(self.warm.events)
         return self.warm.plan.to_resource_plan()
 

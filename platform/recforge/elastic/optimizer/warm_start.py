@@ -1,7 +1,9 @@
 """Stage 1 of DLRover-RM, the warm start: the plans and fitted models of similar past jobs (same dataset
 and model family) give the initial plan: the greedy search run on the history's model from the median
-of their final plans, or that median alone when no model is usable; with no history, the requested
-plan (cold start), with what a default model would have chosen as a hint."""
+of their final plans, or that median alone when no model is usable; with no history (cold start), the
+requested plan when it fits the limits (stage 2 corrects it by measurement), else the best plan within
+the limits by the default (committed) model. The memory model is the newest one fitted on similar runs'
+measured peaks, else the default prior, and the reason is recorded."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +15,13 @@ from typing import Any
 
 from recforge.elastic.optimizer.events import Event
 from recforge.elastic.optimizer.models.history import History, JobRecord
-from recforge.elastic.optimizer.models.memory_model import DEFAULT_MEMORY_MODEL, MemoryModel
+from recforge.elastic.optimizer.models.memory_model import (
+    DEFAULT_MEMORY_MODEL,
+    MemoryModel,
+    MemorySample,
+    embedding_shard_bytes,
+    samples_from_dicts,
+)
 from recforge.elastic.optimizer.models.throughput_model import (
     Allocation,
     Sample,
@@ -23,7 +31,7 @@ from recforge.elastic.optimizer.models.throughput_model import (
     load_profile,
 )
 from recforge.elastic.optimizer.plans import JobDescription, JobLimits, OptimizerConfig, PodPlan, ResourceLimitError
-from recforge.elastic.optimizer.search import clamp, memory_for, search
+from recforge.elastic.optimizer.search import clamp, job_steps, memory_for, search
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +76,34 @@ class WarmStart:
     prior: ThroughputModel | None
     memory: MemoryModel
     records: list[JobRecord] = field(default_factory=list)
+    memory_note: str = ""  # which memory model stage 1 uses and why
+
+
+def choose_memory(records: Sequence[JobRecord], default: MemoryModel | None) -> tuple[MemoryModel, str]:
+    """The newest memory model fitted on measured peaks among similar runs (history is newest first; the
+    pipeline's runs are registered model versions), else the default prior; with the reason."""
+    for r in records:
+        if r.memory is not None and r.memory.fitted:
+            where = f"run {r.run_id}" + (f", registered {r.extra['registered_version']}"
+                                         if r.extra.get("registered_version") else "")
+            loo = "" if math.isnan(r.memory.loo_mape) else f", leave-one-run-out error {r.memory.loo_mape:.1%}"
+            return r.memory, f"fitted memory model of {where} ({r.memory.source}{loo})"
+    prior = default if default is not None else DEFAULT_MEMORY_MODEL
+    why = "no similar run" if not records else f"none of the {len(records)} similar run(s) has a fitted memory model"
+    return prior, f"{why}: prior ({prior.source or 'unnamed'})"
+
+
+def history_memory_points(records: Sequence[JobRecord]) -> list[MemorySample]:
+    """The measured worker peaks similar runs left in extra["memory_points"] (malformed ones skipped)."""
+    out: list[MemorySample] = []
+    for r in records:
+        out += samples_from_dicts((r.extra or {}).get("memory_points") or [], run=r.run_id or "")
+    return out
 
 
 def warm_start(job: JobDescription, history: History | None, limits: JobLimits,
-               cfg: OptimizerConfig = OptimizerConfig(), default_model: ThroughputModel | None = None) -> WarmStart:
+               cfg: OptimizerConfig = OptimizerConfig(), default_model: ThroughputModel | None = None,
+               default_memory: MemoryModel | None = None) -> WarmStart:
     """Stage 1: the initial plan from similar past jobs (see the module docstring); never raises except
     for limits that cannot hold one worker (ResourceLimitError)."""
     limits.check()
@@ -87,20 +119,27 @@ def warm_start(job: JobDescription, history: History | None, limits: JobLimits,
     inputs = {"dataset": job.dataset, "model_family": job.model_family, "requested": job.requested.to_dict(),
               "limits": limits.__dict__, "similar_jobs": len(records), "history_problems": problems[:20]}
     models = [r.model for r in records if r.model is not None]
-    mems = [r.memory for r in records if r.memory is not None]
-    memory = mems[0] if mems else DEFAULT_MEMORY_MODEL
+    mems = [r.memory for r in records if r.memory is not None and r.memory.fitted]
+    memory, memory_note = choose_memory(records, default_memory)
+    inputs["memory_model"] = {**memory.to_dict(), "chosen": memory_note}
     requested = clamp(job.requested, limits)
 
     try:
-        return _warm_from_history(job, limits, cfg, default_model, records, models, mems, memory, requested, inputs,
-                                  events)
+        out = _warm_from_history(job, limits, cfg, default_model, records, models, mems, memory, requested, inputs,
+                                 events)
     except ResourceLimitError:
         raise
     except Exception as e:  # never crash inside the optimizer: fall back to the requested plan, say why
         events.append(Event("warm_start", "fallback", f"warm start from history failed ({type(e).__name__}: {e}); "
                             "cold start with the requested plan", inputs=inputs, plan_before=job.requested.to_dict(),
                             plan_after=requested.to_dict()))
-        return WarmStart(requested, events, default_model, memory, records)
+        out = WarmStart(requested, events, default_model, memory, records)
+    out.memory_note = memory_note
+    if events and job.table_bytes and not job.parameter_server:  # what the memory model expects of the plan
+        shard = embedding_shard_bytes(job.table_bytes, out.plan.workers)
+        events[-1].prediction["peak_memory_bytes_per_worker"] = memory.predict(
+            shard, job_steps(job, out.plan) / out.plan.workers)
+    return out
 
 
 def history_points(records: Sequence[JobRecord]) -> list[Sample]:
@@ -188,23 +227,34 @@ def _warm_from_history(job: JobDescription, limits: JobLimits, cfg: OptimizerCon
                             plan_after=plan.to_dict()))
         return WarmStart(plan, events, default_model, memory, records)
 
-    reason = "no similar job in history: cold start with the requested plan (clamped to the limits)"
-    if requested != job.requested:
-        reason += f"; clamped from {job.requested.workers}x{job.requested.cpu_per_worker} cores"
+    reason = "no similar job in history: cold start with the requested plan (it fits the limits; stage 2 " \
+             "corrects it by measurement)"
+    plan = requested
     prediction: dict[str, Any] = {}
-    if default_model is not None:  # what the default model expects, and what it would have chosen (a hint only)
+    hint = None
+    if default_model is not None:  # what the default model expects, and what it would choose within the limits
         try:
             hint, _ = search(replace(requested, workers=1, cpu_per_worker=limits.min_cpu_per_worker), default_model,
                              limits, cfg, job)
-            prediction = {"samples_per_s": default_model.predict(requested.allocation(job.host_cores)),
-                          "default_model_suggests": hint.to_dict(),
+            prediction = {"default_model_suggests": hint.to_dict(),
                           "suggested_samples_per_s": default_model.predict(hint.allocation(job.host_cores)),
                           "default_model": default_model.to_dict()}
         except Exception as e:
-            prediction = {"default_model_error": repr(e)}
+            hint, prediction = None, {"default_model_error": repr(e)}
+    if requested != job.requested:  # the request does not fit: plan by the default model, else the clamped request
+        asked = f"{job.requested.workers}x{job.requested.cpu_per_worker:g} cores"
+        if hint is not None:
+            plan = replace(hint, memory_per_worker=requested.memory_per_worker)
+            reason = (f"no similar job in history and the request ({asked}) exceeds the limits "
+                      f"({limits.cpu:g} cores): the default model's best plan within them")
+        else:
+            reason = (f"no similar job in history: cold start with the requested plan clamped to the limits "
+                      f"(from {asked})")
+    if default_model is not None:
+        prediction["samples_per_s"] = default_model.predict(plan.allocation(job.host_cores))
     events.append(Event("warm_start", "cold_start", reason, inputs=inputs, prediction=prediction,
-                        plan_before=job.requested.to_dict(), plan_after=requested.to_dict()))
-    return WarmStart(requested, events, default_model, memory, records)
+                        plan_before=job.requested.to_dict(), plan_after=plan.to_dict()))
+    return WarmStart(plan, events, default_model, memory, records)
 
 
 _LOCAL_MODEL: list = []

@@ -19,8 +19,15 @@ from recforge.elastic.backends.base import JobFailedError
 from recforge.elastic.master.dlrover_scaler import DLRoverScaler, scaler_from_stage1
 from recforge.elastic.optimizer.events import Event
 from recforge.pipelines.hooks.resource_planning import log_dlrover_run
-from recforge.pipelines.outputs import DLRoverRun, ExecutedDecision, PlanOutputs
+from recforge.pipelines.outputs import (
+    DLRoverRun,
+    ExecutedDecision,
+    MemoryMeasurement,
+    PlanMeasurement,
+    PlanOutputs,
+)
 from recforge.tracking.resource_models import log_events
+from recforge.train.result import WorkerResult
 from recforge.train.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -44,16 +51,33 @@ def start(store, run_id: str, plan_out: PlanOutputs, cfg, spec: WorkerSpec,
     return scaler, spec
 
 
-def finish(store, run_id: str, scaler, attempts: Sequence[dict[str, Any]]) -> DLRoverRun | None:
-    """Log what stages 2/3 decided and executed during the run; the summary for the task's outputs."""
+def finish(store, run_id: str, scaler, attempts: Sequence[dict[str, Any]],
+           worker_dir: str | Path | None = None) -> DLRoverRun | None:
+    """Log what stages 2/3 decided and executed during the run, predicted vs measured throughput and memory
+    (the workers' result in `worker_dir`, when they wrote one); the summary for the task's outputs."""
     if scaler is None:
         return None
-    summary = log_dlrover_run(store, run_id, scaler, attempts)
+    worker = None
+    if worker_dir is not None:
+        try:
+            worker = WorkerResult.load(worker_dir)
+        except (FileNotFoundError, ValueError) as e:
+            log.warning("DLRover: no worker result for predicted vs measured (%s)", e)
+    summary = log_dlrover_run(store, run_id, scaler, attempts, worker)
+    mem = summary["memory"]
     return DLRoverRun(
         throughput_by_plan=summary["throughput_by_plan"], final_plan=summary["final_plan"], events=summary["events"],
         model_uri=summary["model_uri"],
-        executed=[ExecutedDecision(stage=e["stage"], action=e["action"], reason=e["reason"])
-                  for e in summary["executed"]])
+        executed=[_decision(e) for e in summary["executed"]], decisions=[_decision(e) for e in summary["decisions"]],
+        plans=[PlanMeasurement.model_validate({k: v for k, v in p.items() if k != "source"})
+               for p in summary["plans"]],
+        memory=MemoryMeasurement(predicted_peak_bytes=mem["predicted_peak_bytes"],
+                                 measured_peak_bytes=mem["measured_peak_bytes"], predicted_by=mem["predicted_by"],
+                                 fitted=mem["fitted"]))
+
+
+def _decision(d: dict[str, Any]) -> ExecutedDecision:
+    return ExecutedDecision(stage=d["stage"], action=d["action"], reason=d["reason"], executed=d["executed"])
 
 
 def logging_failures(store, run_id: str, scaler, run_job):

@@ -1,5 +1,6 @@
-"""The train stage's RAP part: the offline baseline's preprocessing before the job (and its cleanup after), and the
-workers' co-run record (schedule, Gantt charts, predicted vs measured iteration time) into the stage's MLflow run."""
+"""The train stage's RAP part: the offline baseline's preprocessing before the job (and its cleanup after), and what
+ran into the stage's MLflow run: the preprocessing mode and why, predicted vs measured step time, the mapping's
+imbalance, and the workers' co-run record (schedule, Gantt charts, measured timeline for the run page)."""
 from __future__ import annotations
 
 import json
@@ -9,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from recforge.config import DatasetConfig
+from recforge.pipelines.outputs import PlanOutputs
 from recforge.preprocess.planning.plan import Plan
-from recforge.rap.planning.gantt import log_schedule
+from recforge.rap.planning.gantt import log_schedule, measured_gantt
 from recforge.rap.planning.schedule import CorunSchedule
 from recforge.rap.profiling.stages import STAGES
 from recforge.rap.runtime.offline import preprocess_manifest
+from recforge.train.result import WorkerResult
 
 
 def preprocess_offline(store, run_id: str, manifest_dir: str, plan_path: str, dataset: DatasetConfig, executor: str,
@@ -75,3 +78,45 @@ def log_corun(store, run_id: str, summary: dict[str, Any]) -> dict[str, float]:
             store.log_dict(run_id, doc, f"rap/schedule_{job}.json")
     store.log_dict(run_id, {k: v for k, v in summary.items() if k != "schedule"}, "rap/corun_summary.json")
     return metrics
+
+
+def measured_step_ms(worker: WorkerResult) -> float | None:
+    """Mean training-loop time per (micro-)batch of the last worker generation, in ms (None before any step)."""
+    steps = worker.steps - (worker.resumed_from.step if worker.resumed_from is not None else 0)
+    if steps <= 0 or worker.train_wall_s <= 0:
+        return None
+    return worker.train_wall_s * 1e3 / (steps * worker.grad_accumulation)
+
+
+def log_preprocessing(store, run_id: str, plan: PlanOutputs, worker: WorkerResult) -> dict[str, Any] | None:
+    """What preprocessing ran, into the train run: mode and request (params), why (tag), the chosen mode's
+    predicted step time against the measured one, both predictions, the mapping's imbalance before/after
+    (metrics), and with co-running the workers' record (log_corun). Returns TrainOutputs.rap_schedule: the
+    measured co-run timeline (None when the workers did not co-run)."""
+    choice = plan.preprocessing
+    if choice is not None:
+        store.log_params(run_id, {"preprocessing_mode": choice.mode, "preprocessing_requested": choice.requested})
+        store.set_tags(run_id, {"preprocessing_reason": choice.reason})
+    metrics: dict[str, float | None] = {}
+    if choice is not None and choice.bound:  # lower bounds, not predictions: no predicted/measured ratio
+        metrics |= {"preprocessing_inline_lower_bound_ms": choice.predicted_inline_ms,
+                    "preprocessing_corun_lower_bound_ms": choice.predicted_corun_ms}
+    elif choice is not None:
+        metrics |= {"preprocessing_predicted_inline_ms": choice.predicted_inline_ms,
+                    "preprocessing_predicted_corun_ms": choice.predicted_corun_ms,
+                    "preprocessing_predicted_step_ms": {"inline": choice.predicted_inline_ms,
+                                                        "corun": choice.predicted_corun_ms}.get(choice.mode)}
+    measured = measured_step_ms(worker)
+    metrics["preprocessing_measured_step_ms"] = measured
+    predicted = metrics.get("preprocessing_predicted_step_ms")
+    if predicted and measured:
+        metrics["preprocessing_predicted_over_measured"] = predicted / measured
+    mapping = plan.corun.mapping if plan.corun is not None else None
+    if mapping is not None:
+        metrics |= {"rap_mapping_imbalance_before": mapping.imbalance_before,
+                    "rap_mapping_imbalance_after": mapping.imbalance_after}
+    store.log_metrics(run_id, {k: float(v) for k, v in metrics.items() if v is not None})
+    if not worker.rap:
+        return None
+    log_corun(store, run_id, worker.rap)
+    return measured_gantt(worker.rap)

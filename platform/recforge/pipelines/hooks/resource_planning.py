@@ -19,6 +19,7 @@ from recforge.elastic.optimizer import (
     JobDescription,
     JobLimits,
     MemoryModel,
+    MemorySample,
     ModelFitError,
     Observation,
     OptimizerConfig,
@@ -27,13 +28,19 @@ from recforge.elastic.optimizer import (
     RuntimeStage,
     Sample,
     ThroughputModel,
+    embedding_bytes_per_rank,
+    embedding_shard_bytes,
+    fit_or_prior,
+    local_default_memory,
     local_default_model,
     optimizer_config,
+    samples_from_dicts,
 )
 from recforge.elastic.optimizer.models.resource_store import MlflowHistory, log_resource_model
 from recforge.elastic.policy import JobInfo, ResourcePlan
 from recforge.tracking.resource_models import log_events
 from recforge.tracking.store import TrackingStore
+from recforge.train.result import WorkerResult
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +63,8 @@ def plan_with_dlrover(store: TrackingStore, run_id: str, cfg, tables,
                         config=optimizer_config(dl), epochs=cfg.train.epochs)
     log_events(store, run_id, out["events"])
     store.log_dict(run_id, {**out["state"], "history_problems": history.problems}, "resource_model/stage1.json")
-    store.set_tags(run_id, {"dlrover.stage1": out["events"][0].action if out["events"] else "none"})
+    store.set_tags(run_id, {"dlrover.stage1": out["events"][0].action if out["events"] else "none",
+                            "dlrover.memory_model": str(out["state"].get("memory_source", ""))[:5000]})
     return ResourcePlan(out["workers"], out["threads_per_worker"]), out["state"]
 
 
@@ -85,7 +93,8 @@ def pipeline_plan(resources, *, dataset: str, model_family: str, batch_size: int
                   config: OptimizerConfig = OptimizerConfig(), epochs: int = 1) -> dict[str, Any]:
     """Stage 1 for one training job of the daily pipeline: the plan, its events, and the state the
     train task runs stages 2/3 from (JSON-able; `DLRoverPolicy.from_stage1`)."""
-    policy = DLRoverPolicy(history, limits, config=config, default_model=local_default_model())
+    policy = DLRoverPolicy(history, limits, config=config, default_model=local_default_model(),
+                           default_memory=local_default_memory())
     extra = {"dataset": dataset, "model_family": model_family, "batch_size": batch_size,
              "table_bytes": table_bytes(tables, embedding_dim), "total_samples": float(total_rows) * epochs}
     if memory_per_worker is not None:
@@ -93,49 +102,144 @@ def pipeline_plan(resources, *, dataset: str, model_family: str, batch_size: int
     info = JobInfo(shard_rows=[int(total_rows)], epochs=epochs, rows_per_task=batch_size, resources=resources,
                    extra=extra)
     rp = policy.plan(info)
+    # the train task turns the workers' sharding plan into embedding bytes per rank (memory points)
+    state = {**policy.stage1_state(), "tables": [[str(n), int(r)] for n, r in tables], "embedding_dim": embedding_dim}
     return {"workers": rp.workers, "threads_per_worker": rp.threads_per_worker, "events": policy.events,
-            "state": policy.stage1_state()}
+            "state": state}
 
 
 # ---------------------------------------------------------------------------------------------
 # the train task: stages 2/3 as the elastic runtime executed them
 # ---------------------------------------------------------------------------------------------
 def log_dlrover_run(store: TrackingStore, run_id: str, scaler: DLRoverScaler,
-                    attempts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+                    attempts: Sequence[dict[str, Any]], worker: WorkerResult | None = None) -> dict[str, Any]:
     """Stages 2/3 as the elastic runtime executed them during the train task (`DLRoverScaler`): every
-    event (executed or not, with why), the throughput measured at each plan, the relaunches, and this
-    run's model with its measured points as history for tomorrow's stage 1 (registered, so it can be
+    event and every decision (executed or not, with why), stage 1's predictions against the throughput
+    measured at each plan and the workers' peak memory (`worker`, rank 0's result; None when the job
+    failed), and this run's models as history for tomorrow's stage 1 (registered, so they can be
     browsed and loaded by name)."""
     events = list(scaler.events)
     log_events(store, run_id, events)
+    decisions = [e for e in events if e.action != "hold"]  # a hold waits (profiling, pacing): not a decision
     executed = [e for e in events if e.executed]
     by_plan = scaler.throughput_by_plan()
+    if not by_plan and worker is not None and worker.samples_per_s > 0:
+        # too short for the profiler's windows: the workers' own measurement of the plan they finished on
+        by_plan = [{"workers": worker.world_size, "threads_per_worker": worker.threads_per_worker,
+                    "samples_per_s": worker.samples_per_s, "polls": 0, "source": "worker result"}]
+        ran = replace(scaler.plan, workers=worker.world_size, cpu_per_worker=float(worker.threads_per_worker))
+        scaler.runtime.model.add(Sample(ran.allocation(scaler.policy.job.host_cores if scaler.policy.job else None),
+                                        worker.samples_per_s), refit=False)
+    plans = predicted_vs_measured_throughput(scaler, by_plan)
     metrics: dict[str, float] = {
-        "dlrover.decisions": float(sum(1 for e in events if e.changes_plan or e.action == "replace_straggler")),
+        "dlrover.decisions": float(len(decisions)),
         "dlrover.executed": float(len(executed)),
         "dlrover.relaunches": float(sum(1 for a in attempts if a.get("outcome") == "rescaled")),
         "dlrover.final_workers": float(scaler.plan.workers),
     }
-    for p in by_plan:
-        metrics[f"dlrover.samples_per_s.w{p['workers']}t{p['threads_per_worker']}"] = p["samples_per_s"]
+    for p in plans:
+        tag = f"w{p['workers']}t{p['threads_per_worker']}"
+        metrics[f"dlrover.samples_per_s.{tag}"] = p["measured_samples_per_s"]
+        if p["predicted_samples_per_s"] is not None:
+            metrics[f"dlrover.predicted_samples_per_s.{tag}"] = p["predicted_samples_per_s"]
+            metrics[f"dlrover.throughput_error.{tag}"] = (p["predicted_samples_per_s"] / p["measured_samples_per_s"]
+                                                          - 1.0 if p["measured_samples_per_s"] > 0 else float("nan"))
     if len(by_plan) >= 2 and by_plan[0]["samples_per_s"] > 0:
         metrics["dlrover.throughput_ratio_last_vs_first_plan"] = (by_plan[-1]["samples_per_s"]
                                                                   / by_plan[0]["samples_per_s"])
-    store.log_metrics(run_id, metrics)
+    memory = memory_measurement(scaler, worker, run_id)
+    fitted = MemoryModel.from_dict(memory["fitted"])
+    if memory["predicted_peak_bytes"] is not None:
+        metrics["dlrover.predicted_peak_memory_bytes"] = memory["predicted_peak_bytes"]
+    if memory["measured_peak_bytes"]:
+        peak = max(memory["measured_peak_bytes"])
+        metrics["dlrover.measured_peak_memory_bytes"] = peak
+        if memory["predicted_peak_bytes"] is not None:
+            metrics["dlrover.memory_error"] = memory["predicted_peak_bytes"] / peak - 1.0
+    metrics["dlrover.memory_model.fitted"] = float(fitted.fitted)
+    metrics["dlrover.memory_model.loo_mape"] = fitted.loo_mape
+    store.log_metrics(run_id, {k: v for k, v in metrics.items() if v == v})
+    store.set_tags(run_id, {"dlrover.memory_model": fitted.source[:5000]})
     for i, m in enumerate(scaler.measured):  # the run's timeline, one point per profiler poll
         store.log_metrics(run_id, {"dlrover.samples_per_s": m["samples_per_s"],
                                    "dlrover.workers": float(m["workers"])}, step=i)
-    summary: dict[str, Any] = {"executed": [e.to_dict() for e in executed], "throughput_by_plan": by_plan,
-                               "attempts": list(attempts), "final_plan": scaler.plan.to_dict(),
-                               "events": len(events), "model_status": scaler.runtime.model.status}
-    summary["model_uri"] = _log_run_model(store, run_id, scaler, by_plan)
+    summary: dict[str, Any] = {
+        "executed": [decision(e) for e in executed], "decisions": [decision(e) for e in decisions],
+        "throughput_by_plan": by_plan, "plans": plans, "memory": memory, "attempts": list(attempts),
+        "final_plan": scaler.plan.to_dict(), "events": len(events), "model_status": scaler.runtime.model.status}
+    summary["model_uri"] = _log_run_model(store, run_id, scaler, by_plan, fitted, memory)
     store.log_dict(run_id, summary, "resource_model/stage23.json")
     return summary
 
 
-def _log_run_model(store: TrackingStore, run_id: str, scaler: DLRoverScaler,
-                   by_plan: list[dict[str, Any]]) -> str | None:
-    """The runtime stage's model after the run, fitted (or the prior rescaled) on what the run measured."""
+def decision(e: Event) -> dict[str, Any]:
+    """A decision as the train run records it: stage, action, executed or not, the reason."""
+    return {"stage": e.stage, "action": e.action, "executed": e.executed, "reason": e.reason,
+            "plan_before": e.plan_before, "plan_after": e.plan_after}
+
+
+def predicted_vs_measured_throughput(scaler: DLRoverScaler, by_plan: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each plan the job ran: samples/s predicted by the model stage 1 planned with, and as measured."""
+    prior, job = scaler.policy.warm.prior if scaler.policy.warm else None, scaler.policy.job
+    out = []
+    for p in by_plan:
+        pred = None
+        if prior is not None and job is not None:
+            plan = replace(scaler.policy.warm.plan if scaler.policy.warm else scaler.plan, workers=int(p["workers"]),
+                           cpu_per_worker=float(p["threads_per_worker"]))
+            pred = float(prior.predict(plan.allocation(job.host_cores)))
+        out.append({"workers": int(p["workers"]), "threads_per_worker": int(p["threads_per_worker"]),
+                    "predicted_samples_per_s": pred, "measured_samples_per_s": float(p["samples_per_s"]),
+                    "polls": int(p["polls"]), "source": p.get("source", "profiler polls")})
+    return out
+
+
+def memory_points(state: Mapping[str, Any], worker: WorkerResult, run: str) -> list[MemorySample]:
+    """This run's measured points: each rank's peak RSS against the embedding bytes it held (from the
+    workers' sharding plan and the stage 1 state's tables) and the steps its generation ran."""
+    if not worker.peak_rss_bytes:
+        return []
+    sharding = {t: p.model_dump() if hasattr(p, "model_dump") else dict(p) for t, p in worker.sharding_plan.items()}
+    emb = embedding_bytes_per_rank(sharding, state.get("tables") or [], int(state["embedding_dim"]), worker.world_size)
+    steps = worker.steps - (worker.resumed_from.step if worker.resumed_from else 0)
+    return [MemorySample(emb[r], max(steps, 0), float(rss), run)
+            for r, rss in enumerate(worker.peak_rss_bytes[:worker.world_size]) if rss and rss > 0]
+
+
+def memory_measurement(scaler: DLRoverScaler, worker: WorkerResult | None, run_id: str) -> dict[str, Any]:
+    """Stage 1's memory prediction for the final plan against the workers' measured peaks, and this run's
+    memory model: fitted on the earlier runs' points (carried in the stage 1 state) and this run's, or
+    the prior with the reason when there are too few."""
+    warm, job = scaler.policy.warm, scaler.policy.job
+    if warm is None or job is None:
+        raise RuntimeError("DLRoverPolicy: call plan(job) (stage 1) first")
+    state = scaler.policy.stage1
+    history = samples_from_dicts(state.get("memory_points") or [])
+    mine: list[MemorySample] = []
+    problem = None
+    if worker is not None:
+        try:
+            mine = memory_points(state, worker, run=run_id)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # e.g. a stage 1 state without tables
+            problem = f"this run's peaks not usable for the fit ({e})"
+    fitted = fit_or_prior(history + mine, warm.memory)
+    if problem:
+        fitted.source += f"; {problem}"
+    predicted = None
+    if job.table_bytes and worker is not None:
+        steps = worker.steps - (worker.resumed_from.step if worker.resumed_from else 0)
+        shard = embedding_shard_bytes(job.table_bytes, worker.world_size)
+        predicted = float(warm.memory.predict(shard, steps))
+    return {"predicted_peak_bytes": predicted,
+            "measured_peak_bytes": [float(x) for x in (worker.peak_rss_bytes or [])] if worker is not None else [],
+            "predicted_by": warm.memory_note or warm.memory.source, "fitted": fitted.to_dict(),
+            "points": [s.to_dict() for s in mine], "history_points": len(history)}
+
+
+def _log_run_model(store: TrackingStore, run_id: str, scaler: DLRoverScaler, by_plan: list[dict[str, Any]],
+                   memory: MemoryModel, measured: Mapping[str, Any]) -> str | None:
+    """The runtime stage's model after the run, fitted (or the prior rescaled) on what the run measured, with
+    the memory model fitted on the measured peaks; both go to MLflow as the run's models."""
     online, job, warm = scaler.runtime.model, scaler.policy.job, scaler.policy.warm
     if job is None or warm is None:  # a DLRoverScaler is only built on a policy that ran stage 1
         raise RuntimeError("DLRoverPolicy: call plan(job) (stage 1) first")
@@ -151,11 +255,17 @@ def _log_run_model(store: TrackingStore, run_id: str, scaler: DLRoverScaler,
         return None
     points = [Sample(replace(scaler.plan, workers=p["workers"], cpu_per_worker=float(p["threads_per_worker"]))
                      .allocation(job.host_cores), float(p["samples_per_s"])) for p in by_plan]
+    peaks = measured.get("measured_peak_bytes") or []
     return log_resource_model(
         store, run_id, model=online.model, dataset=job.dataset, model_family=job.model_family,
-        final_plan=scaler.plan.to_dict(), memory=warm.memory, samples_per_s=by_plan[-1]["samples_per_s"],
-        points=points, extra={"points": [{"allocation": s.allocation.to_dict(), "samples_per_s": s.samples_per_s}
-                                         for s in points], "model_status": online.status}, register=True)
+        final_plan=scaler.plan.to_dict(), memory=memory, samples_per_s=by_plan[-1]["samples_per_s"],
+        peak_memory_bytes=max(peaks) if peaks else None, points=points,
+        metrics={"memory.fit_mape": memory.fit_mape, "memory.loo_mape": memory.loo_mape,
+                 "memory.n_points": float(memory.n_points)},
+        extra={"points": [{"allocation": s.allocation.to_dict(), "samples_per_s": s.samples_per_s}
+                          for s in points], "model_status": online.status,
+               "memory_points": list(measured.get("points") or [])},
+        register=True)
 
 
 # ---------------------------------------------------------------------------------------------

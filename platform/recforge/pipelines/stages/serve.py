@@ -1,12 +1,27 @@
 """Compile the trained model for inference (RECom seam) and publish it to the MLflow registry."""
 from __future__ import annotations
 
+import logging
+
 from recforge.pipelines.context import RunContext
-from recforge.pipelines.outputs import CompileOutputs, CompileReport, EvaluateOutputs, IngestOutputs, PublishOutputs
+from recforge.pipelines.hooks import warm_start
+from recforge.pipelines.hooks.warm_start import REGISTERED_MODEL
+from recforge.pipelines.outputs import (
+    CompileOutputs,
+    CompileReport,
+    EvaluateOutputs,
+    IngestOutputs,
+    PlanOutputs,
+    PublishOutputs,
+    TrainOutputs,
+)
 from recforge.pipelines.stage import run_stage
+from recforge.pipelines.stages.evaluate import PLAN_ARTIFACT, log_champion, score_champion
 from recforge.pipelines.stages.train import load_trained
 
-REGISTERED_MODEL = "recforge-dlrm"
+log = logging.getLogger("recforge.pipelines")
+
+GATE_ATTEMPTS = 3  # the champion may move under a publish (another run promoted): rescored this often
 
 
 def _holdout_inputs(ctx: RunContext, rows: int):
@@ -63,26 +78,57 @@ def compile_model(ctx: RunContext) -> CompileOutputs:
 
 
 def publish(ctx: RunContext) -> PublishOutputs:
+    """Register the model (with its plan, compiled form and what warm start needs) and promote it when the gate
+    passes against the champion scored on the same held-out day (recforge.tracking.registry.gate)."""
     quality = ctx.read(EvaluateOutputs)
     compiled = ctx.read(CompileOutputs)
+    plan = ctx.read(PlanOutputs)
+    trained = ctx.read(TrainOutputs)
+    cfg = ctx.config
 
     def body(w, store, run_id):
-        from recforge.tracking import ModelRegistry  # lazy: mlflow off the CLI/DAG import path
+        from recforge.tracking.registry import (  # lazy: mlflow off the CLI/DAG import path
+            ChampionChangedError,
+            ModelRegistry,
+        )
 
         model, _ = load_trained(ctx)
         registry = ModelRegistry(store, REGISTERED_MODEL)
         store.log_artifact(run_id, compiled.artifact, "compiled")
+        store.log_artifact(run_id, plan.plan_path, PLAN_ARTIFACT.rsplit("/", 1)[0])  # the champion is scored with it
         version = registry.log_and_register(
             run_id, model, auc=quality.auc,
-            tags={"run_key": ctx.run_key, "compiled_artifact": "compiled/inference.pt2"},
+            tags={"compiled_artifact": "compiled/inference.pt2",
+                  **warm_start.registration_tags(ctx, plan, trained.checkpoint_dir)},  # what warm start checks
         )
-        decision = registry.promote_if_not_worse(version, quality.auc, ctx.config.champion_margin)
+        champ_version, score, problem = quality.champion_version, quality.champion, quality.champion_problem
+        for attempt in range(GATE_ATTEMPTS):
+            try:
+                decision = registry.promote(
+                    version, auc=quality.auc, rows=quality.rows, champion_version=champ_version,
+                    champion_auc=score.auc if score is not None else None, champion_problem=problem,
+                    margin=cfg.champion_margin, min_auc=cfg.champion_min_auc, min_rows=cfg.champion_min_rows)
+                break
+            except ChampionChangedError as e:  # evaluate scored another champion: score the new one on the same day
+                if attempt == GATE_ATTEMPTS - 1:
+                    raise
+                log.warning("publish: %s; scoring the new champion on the same held-out day", e)
+                champ_version, score, problem = score_champion(ctx, store, w.tmp / f"champion-{attempt}")
+        log_champion(store, run_id, champ_version, score, problem)
+        champion_auc = score.auc if score is not None and champ_version != version else None
+        gate = {"challenger_auc": quality.auc, "promoted": float(decision.promoted),
+                **({"champion_auc": champion_auc} if champion_auc is not None else {})}
+        store.log_metrics(run_id, gate)
+        tags = {"model_version": version, "champion": decision.promoted, "promotion.reason": decision.reason[:5000],
+                "promotion.champion_version": champ_version or "none"}
+        store.set_tags(run_id, tags)
         parent = store.pipeline_run(ctx.experiment, ctx.run_key)
-        store.log_metrics(parent, {"auc": quality.auc, "logloss": quality.logloss,
-                                   "promoted": float(decision.promoted)})
-        store.set_tags(parent, {"model_version": version, "champion": decision.promoted})
+        store.log_metrics(parent, {"auc": quality.auc, "logloss": quality.logloss, **gate})
+        store.set_tags(parent, tags)
+        log.info("publish: v%s %s: %s", version, "promoted" if decision.promoted else "not promoted", decision.reason)
         return PublishOutputs(model_name=REGISTERED_MODEL, version=version, promoted=decision.promoted,
-                              reason=decision.reason, pipeline_run_id=parent)
+                              reason=decision.reason, challenger_auc=quality.auc, champion_auc=champion_auc,
+                              champion_version=champ_version, pipeline_run_id=parent)
 
     out = run_stage(ctx, PublishOutputs, body)
     from recforge.tracking import TrackingStore  # lazy: mlflow off the CLI/DAG import path

@@ -23,6 +23,7 @@ from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.columns import Col, check_batch, finish, sources
 from recforge.preprocess.executors.fused import FusedExecutor
+from recforge.preprocess.executors.record import DALI, NATIVE, ExecutionLog, process_log
 from recforge.preprocess.planning.compiler import CompileMethod, FusedGroup
 from recforge.preprocess.planning.graph import Node
 from recforge.preprocess.planning.plan import Plan
@@ -115,12 +116,14 @@ class DaliExecutor:
     name = "dali"
 
     def __init__(self, plan: Plan, dataset: DatasetConfig, method: CompileMethod = "milp", num_threads: int = 1,
-                 device: str = "cpu"):
+                 device: str = "cpu", report: bool = True):
         if not dali_available():
             raise RuntimeError("the dali executor needs NVIDIA DALI: pip install nvidia-dali-cuda130==2.4.0")
         if device not in ("cpu", "gpu"):
             raise ValueError(f"DaliExecutor: device must be 'cpu' or 'gpu', got {device!r}")
-        self.fused = FusedExecutor(plan, dataset, method=method)
+        self.fused = FusedExecutor(plan, dataset, method=method, report=False)  # this executor reports its batches
+        self.report = report
+        self.executed = ExecutionLog()  # per batch (recforge.preprocess.executors.record)
         self.plan, self.dataset, self.compiled = plan, dataset, self.fused.compiled
         self.device, self.num_threads = device, num_threads
         self._sources = sources(dataset)
@@ -130,6 +133,7 @@ class DaliExecutor:
             parent_type = self.vtype[n.parent] if n.parent is not None else None
             self.vtype[n.id] = _value_type(n, parent_type, self._sources[n.source].kind)
         self.fallback = plan_fallbacks(self.compiled, dataset)
+        self._fallback_by_op = fallback_summary(self.compiled, dataset)["fallback_by_op"]
         in_dali = {n.id: n.id not in self.fallback for n in graph.nodes}
         self.in_dali = in_dali
         needed = set(graph.outputs.values()) | {n.parent for n in graph.nodes if n.parent is not None}
@@ -160,7 +164,13 @@ class DaliExecutor:
     def describe(self) -> dict[str, Any]:
         return {"executor": self.name, "dali_device": self.device, "dali_threads": self.num_threads,
                 **fallback_summary(self.compiled, self.dataset),
-                "whole_batch_fallbacks": self.whole_batch_fallbacks, **self.compiled.summary()}
+                "whole_batch_fallbacks": self.whole_batch_fallbacks, "executed": self.executed.snapshot(),
+                **self.compiled.summary()}
+
+    def _count(self, path: str, native: bool, reason: str) -> None:
+        self.executed.add(path, native=native, reason=reason)
+        if self.report:
+            process_log().add(path, native=native, reason=reason)
 
     # ------------------------------------------------------------------ pipeline
 
@@ -258,11 +268,14 @@ class DaliExecutor:
     def __call__(self, raw: RawBatch) -> tuple[Tensor, KeyedJaggedTensor]:
         check_batch(raw, self.dataset, self.plan)
         if raw.rows == 0 or self._uses_lists(raw) or raw.dense.device.type != "cpu":
+            why = "no rows" if raw.rows == 0 else "list columns" if self._uses_lists(raw) else "device data"
             if self.whole_batch_fallbacks == 0:
-                log.warning("dali executor: batch with %s runs on the fused executor",
-                            "no rows" if raw.rows == 0 else "list columns" if self._uses_lists(raw) else "device data")
+                log.warning("dali executor: batch with %s runs on the fused executor", why)
             self.whole_batch_fallbacks += 1
-            return self.fused(raw)
+            out = self.fused(raw)
+            path = self.fused.last_path or "torch_fallback"
+            self._count(path, path in NATIVE, f"dali: a batch with {why} ran wholly on the fused executor")
+            return out
         vals: dict[int, Col] = {}
         if self.pipe is not None:
             feeds = {"dense": raw.dense, "dense_valid": raw.dense_valid, "sparse": raw.sparse,
@@ -278,5 +291,11 @@ class DaliExecutor:
                 vals[node] = Col(torch.from_numpy(np.array(o.as_tensor())).reshape(raw.rows, 1))
         for gi, group in self._rest:
             self.fused.run_group(gi, group, raw, vals)
+        if self._rest:
+            path, native, problem = self.fused.group_path(raw.dense.device)
+            self._count(DALI, native, f"ops DALI cannot express {self._fallback_by_op} ran {path}"
+                        + (f" ({problem})" if problem else ""))
+        else:
+            self._count(DALI, False, "every op in DALI (recforge_kernels not used)")
         outputs = {f: vals[n] for f, n in self.compiled.graph.outputs.items()}
         return finish(self.plan, outputs, raw.rows, raw.dense.device)

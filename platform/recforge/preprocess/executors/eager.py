@@ -10,6 +10,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.columns import BatchError, Col, SourceKind, check_batch, finish, sources
+from recforge.preprocess.executors.record import EAGER, ExecutionLog, process_log
 from recforge.preprocess.planning.plan import FeaturePlan, Plan
 from recforge.preprocess.semantics import ops
 
@@ -62,6 +63,7 @@ class EagerExecutor:
         plan.validate_for(dataset)
         self.plan, self.dataset = plan, dataset
         self._sources = sources(dataset)
+        self.executed = ExecutionLog()  # per batch (recforge.preprocess.executors.record)
 
     @torch.no_grad()
     def __call__(self, raw: RawBatch) -> tuple[Tensor, KeyedJaggedTensor]:
@@ -73,8 +75,11 @@ class EagerExecutor:
             for spec in f.ops[1:]:
                 col = apply_op(f, spec.op, spec.params, col)
             outputs[f.name] = col
+        for counts in (self.executed, process_log()):
+            counts.add(EAGER, native=False, reason="one torch call per op and feature (the unfused baseline)")
         return finish(self.plan, outputs, raw.rows, raw.dense.device)
 
     def describe(self) -> dict[str, Any]:
         return {"executor": self.name, "plan": self.plan.name,
-                "launches_per_batch": sum(len(f.ops) for f in self.plan.features)}
+                "launches_per_batch": sum(len(f.ops) for f in self.plan.features),
+                "executed": self.executed.snapshot()}

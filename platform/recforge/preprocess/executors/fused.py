@@ -2,10 +2,13 @@
 
 A group whose members differ in form is split into one call per form. `prune=True` skips values no consumer
 reads; `single_pass=True` (CPU, C++ kernels) runs every feature's whole chain in one call when each keeps one
-value per row. Both give the grouped kernels' values. Design: docs/rap.md#the-fusion-milp-and-the-fused-executor.
+value per row. Both give the grouped kernels' values. `native=False` runs the ops' torch fallback instead of the
+C++ / Triton kernels. Each batch is counted under the path that ran it (recforge.preprocess.executors.record).
+Design: docs/rap.md#the-fusion-milp-and-the-fused-executor.
 """
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -19,10 +22,19 @@ from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.columns import BatchError, Col, check_batch, finish, sources
 from recforge.preprocess.executors.chain import ChainProgram, NotChainable, chain_program
+from recforge.preprocess.executors.record import (
+    CPP_PER_GROUP,
+    CPP_SINGLE_PASS,
+    TORCH_FALLBACK,
+    TRITON_PER_GROUP,
+    ExecutionLog,
+    process_log,
+)
 from recforge.preprocess.planning.compiler import CompiledPlan, CompileMethod, FusedGroup, compile_plan
 from recforge.preprocess.planning.graph import Node
 from recforge.preprocess.planning.plan import Plan
 from recforge.preprocess.semantics.ops import logit_bounds
+from recforge_kernels import cpu_ext, fused_torch
 from recforge_kernels import fused as fused_ops
 from recforge_kernels.fused import eager_impl
 
@@ -40,6 +52,37 @@ class _Kernels:
 F = _Kernels()
 
 
+class _TorchKernels:
+    """The same ops on their torch fallback (recforge_kernels.fused_torch), for FusedExecutor(native=False)."""
+
+    def __getattr__(self, name: str):
+        base = name.removeprefix("fused_")
+        if base in ("cast_float", "cast_id"):
+            op = partial(fused_torch.cast, to_float=base == "cast_float")
+        else:
+            op = getattr(fused_torch, base)
+        setattr(self, name, op)
+        return op
+
+
+_TRITON: list[bool] = []
+
+
+def _triton() -> bool:
+    if not _TRITON:
+        _TRITON.append(importlib.util.find_spec("triton") is not None)
+    return _TRITON[0]
+
+
+def cpu_kernels_problem() -> str | None:
+    """Why the fused ops run their torch fallback on CPU in this process (None: the C++ kernels run)."""
+    if fused_ops.use_cpp():
+        return None
+    if cpu_ext.load():
+        return "the C++ kernels loaded, but recforge_kernels.fused.set_cpu_backend('torch') switched them off"
+    return f"the C++ kernels did not load: {cpu_ext.status()}"
+
+
 def _flat_lists(lists: list[list], dtype: torch.dtype) -> tuple[Tensor, list[int]]:
     """Per-feature lists back to back, with offsets (len = features + 1)."""
     offsets = [0]
@@ -52,9 +95,16 @@ class FusedExecutor:
     name = "fused"
 
     def __init__(self, plan: Plan, dataset: DatasetConfig, method: CompileMethod = "milp",
-                 compiled: CompiledPlan | None = None, prune: bool = True, single_pass: bool = True):
+                 compiled: CompiledPlan | None = None, prune: bool = True, single_pass: bool = True,
+                 native: bool = True, report: bool = True):
+        """`native=False`: the torch fallback of every op, never the C++ / Triton kernels. `report=False`: count
+        batches in `executed` only, not in the process's log (an executor inside another one)."""
         plan.validate_for(dataset)
         self.plan, self.dataset, self.prune = plan, dataset, prune
+        self.native, self.report = native, report
+        self._k: Any = F if native else _TorchKernels()
+        self.executed = ExecutionLog()  # what this executor ran, per batch (recforge.preprocess.executors.record)
+        self.last_path: str | None = None
         self.compiled = compiled if compiled is not None else compile_plan(plan, method=method)
         self._nodes = {n.id: n for n in self.compiled.graph.nodes}
         self._width, self.demand = self._demands()
@@ -64,7 +114,9 @@ class FusedExecutor:
         self.calls = 0  # op calls made by the last batch
         self._chain: ChainProgram | None = None
         self.single_pass_reason = "off (single_pass=False)"
-        if single_pass:
+        if not native:
+            self.single_pass_reason = "off (native=False: fused_chain exists in C++ only)"
+        elif single_pass:
             try:
                 self._chain = chain_program(plan, dataset)
                 self.single_pass_reason = "every feature keeps one value per row from a scalar column"
@@ -74,27 +126,55 @@ class FusedExecutor:
     @torch.no_grad()
     def __call__(self, raw: RawBatch) -> tuple[Tensor, KeyedJaggedTensor]:
         check_batch(raw, self.dataset, self.plan)
-        if self._chain is not None and self._single_pass(raw):
+        why_not = self._no_single_pass(raw)
+        if why_not is None and self._chain is not None:
             self.calls = 1
             dense, ids = self._chain.run(raw)
+            self._count(CPP_SINGLE_PASS, True, None)
             keys = self.plan.sparse_features()
             lengths = torch.ones(len(keys) * raw.rows, dtype=torch.int32, device=ids.device)
             return dense, KeyedJaggedTensor(keys=keys, values=ids, lengths=lengths, stride=raw.rows)
         vals: dict[int, Col] = {}
         self.calls = 0
         for gi, group in enumerate(self.compiled.groups):
-            self.run_group(gi, group, raw, vals)
+            self._run_group(gi, group, raw, vals)
+        path, native, reason = self.group_path(raw.dense.device)
+        self._count(path, native, f"{reason}; single pass {why_not}" if reason else f"single pass {why_not}")
         outputs = {f: vals[n] for f, n in self.compiled.graph.outputs.items()}
         return finish(self.plan, outputs, raw.rows, raw.dense.device)
 
-    def _single_pass(self, raw: RawBatch) -> bool:
-        return (self._chain is not None and raw.dense.device.type == "cpu" and fused_ops.use_cpp()
-                and not (self._chain.source_names & raw.jagged.keys()))
+    def _no_single_pass(self, raw: RawBatch) -> str | None:
+        """Why this batch cannot take the single pass (None: it can)."""
+        if self._chain is None:
+            return self.single_pass_reason
+        if raw.dense.device.type != "cpu":
+            return f"off: the batch is on {raw.dense.device.type}, fused_chain runs on CPU"
+        if not fused_ops.use_cpp():
+            return "off: no C++ kernels"
+        lists = sorted(self._chain.source_names & raw.jagged.keys())
+        return f"off: list columns {lists} in the batch" if lists else None
+
+    def group_path(self, device: torch.device) -> tuple[str, bool, str | None]:
+        """(path, native, why a fallback) of one call per group on `device`."""
+        if not self.native:
+            return TORCH_FALLBACK, False, "native=False (FusedExecutor)"
+        if device.type == "cpu":
+            problem = cpu_kernels_problem()
+            return (CPP_PER_GROUP, True, None) if problem is None else (TORCH_FALLBACK, False, problem)
+        if device.type == "cuda" and _triton():
+            return TRITON_PER_GROUP, True, None
+        return TORCH_FALLBACK, False, f"no Triton kernels for {device.type} tensors"
+
+    def _count(self, path: str, native: bool, reason: str | None, group: bool = False) -> None:
+        self.last_path = path
+        self.executed.add(path, native=native, reason=reason, group=group)
+        if self.report:
+            process_log().add(path, native=native, reason=reason, group=group)
 
     def describe(self) -> dict[str, Any]:
         pruned = sum(1 for d in self.demand.values() if d is not None) if self.prune else 0
         return {"executor": self.name, "pruned_nodes": pruned, "single_pass": self.single_pass_reason,
-                **self.compiled.summary()}
+                "native": self.native, "executed": self.executed.snapshot(), **self.compiled.summary()}
 
     def _demands(self) -> tuple[dict[int, int], dict[int, int | None]]:
         """Static row widths (scalar sources) and the row prefix each node's consumers read (None: all)."""
@@ -133,6 +213,13 @@ class FusedExecutor:
     # ------------------------------------------------------------------ one group
 
     def run_group(self, gi: int, group: FusedGroup, raw: RawBatch, vals: dict[int, Col]) -> None:
+        """One (part of a) group, called from outside a batch (RAP's co-run, DALI's fallback ops): counted as a
+        group call under its path."""
+        self._run_group(gi, group, raw, vals)
+        path, native, reason = self.group_path(raw.dense.device)
+        self._count(path, native, reason, group=True)
+
+    def _run_group(self, gi: int, group: FusedGroup, raw: RawBatch, vals: dict[int, Col]) -> None:
         nodes = [self._nodes[i] for i in group.nodes]
         if group.op == "fill_null":
             self._fill_null(nodes, raw, vals)
@@ -148,7 +235,7 @@ class FusedExecutor:
                                      f"{n.source!r}")
             keep = [n.params["C"] if not self.prune or self.demand[n.id] is None else self.demand[n.id]
                     for n in nodes]
-            outs = self._call(F.fused_onehot, [c.values for c in cols], [float(n.params["lo"]) for n in nodes],
+            outs = self._call(self._k.fused_onehot, [c.values for c in cols], [float(n.params["lo"]) for n in nodes],
                               [float(n.params["hi"]) for n in nodes], [n.params["C"] for n in nodes], keep)
             for n, o in zip(nodes, outs, strict=True):
                 vals[n.id] = Col(o)
@@ -173,14 +260,14 @@ class FusedExecutor:
         for kind in ("dense", "sparse"):
             if parts[kind]:
                 matrix, valid = (raw.dense, raw.dense_valid) if kind == "dense" else (raw.sparse, raw.sparse_valid)
-                outs = self._call(F.fused_fill_null_columns, matrix, valid,
+                outs = self._call(self._k.fused_fill_null_columns, matrix, valid,
                                   [self._sources[n.source].index for n in parts[kind]],
                                   [float(n.params["value"]) for n in parts[kind]], kind == "dense")
                 for n, o in zip(parts[kind], outs, strict=True):
                     vals[n.id] = Col(o.unsqueeze(1))
         if parts["list"]:
             jcs = [raw.jagged[n.source] for n in parts["list"]]
-            outs = self._call(F.fused_fill_null, [j.values for j in jcs], [j.valid for j in jcs],
+            outs = self._call(self._k.fused_fill_null, [j.values for j in jcs], [j.valid for j in jcs],
                               [float(n.params["value"]) for n in parts["list"]], False)
             for n, o, j in zip(parts["list"], outs, jcs, strict=True):
                 vals[n.id] = Col(o, j.lengths)
@@ -204,12 +291,12 @@ class FusedExecutor:
                 fixed.append(i)
         lists = [i for i, c in enumerate(cols) if c.jagged]
         if fixed:
-            fn = F.fused_firstx if op == "firstx" else F.fused_ngram
+            fn = self._k.fused_firstx if op == "firstx" else self._k.fused_ngram
             outs = self._call(fn, [cols[i].values for i in fixed], [nodes[i].params[key] for i in fixed])
             for i, o in zip(fixed, outs, strict=True):
                 vals[nodes[i].id] = Col(o)
         if lists:
-            fn = F.fused_firstx_jagged if op == "firstx" else F.fused_ngram_jagged
+            fn = self._k.fused_firstx_jagged if op == "firstx" else self._k.fused_ngram_jagged
             outs = self._call(fn, [cols[i].values for i in lists], [cols[i].lengths for i in lists],
                               [nodes[i].params[key] for i in lists])
             k = len(lists)
@@ -229,37 +316,37 @@ class FusedExecutor:
         every = list(range(len(nodes)))
         p = [n.params for n in nodes]
         device = cols[0].values.device
-        call = self._call
+        call, kern = self._call, self._k
         if op == "sigrid_hash":
             salts, moduli = [q["salt"] for q in p], [q["M"] for q in p]
-            return [(every, lambda xs: call(F.fused_sigrid_hash, xs, salts, moduli))]
+            return [(every, lambda xs: call(kern.fused_sigrid_hash, xs, salts, moduli))]
         if op == "logit":
             bounds = [logit_bounds(q["eps"]) for q in p]
             lo, hi = [b[0] for b in bounds], [b[1] for b in bounds]
-            return [(every, lambda xs: call(F.fused_logit, xs, lo, hi))]
+            return [(every, lambda xs: call(kern.fused_logit, xs, lo, hi))]
         if op == "boxcox":
             lambdas = [float(q["lambda"]) for q in p]
-            return [(every, lambda xs: call(F.fused_boxcox, xs, lambdas))]
+            return [(every, lambda xs: call(kern.fused_boxcox, xs, lambdas))]
         if op == "bucketize":
             table, off = self._table(gi, [q["borders"] for q in p], torch.float32, device)
-            return [(every, lambda xs: call(F.fused_bucketize, xs, table, off))]
+            return [(every, lambda xs: call(kern.fused_bucketize, xs, table, off))]
         if op == "mapid":
             table, off = self._table(gi, [q["map"] for q in p], torch.int64, device)
-            return [(every, lambda xs: call(F.fused_mapid, xs, table, off))]
+            return [(every, lambda xs: call(kern.fused_mapid, xs, table, off))]
         if op == "clamp":
             ids = [i for i in every if cols[i].values.dtype == torch.int64]
             fl = [i for i in every if i not in ids]
             out: list[tuple[list[int], Callable[[list[Tensor]], list[Tensor]]]] = []
             if ids:
                 lo_i, hi_i = [int(p[i]["lo"]) for i in ids], [int(p[i]["hi"]) for i in ids]
-                out.append((ids, lambda xs: call(F.fused_clamp_id, xs, lo_i, hi_i)))
+                out.append((ids, lambda xs: call(kern.fused_clamp_id, xs, lo_i, hi_i)))
             if fl:
                 lo_f, hi_f = [float(p[i]["lo"]) for i in fl], [float(p[i]["hi"]) for i in fl]
-                out.append((fl, lambda xs: call(F.fused_clamp_float, xs, lo_f, hi_f)))
+                out.append((fl, lambda xs: call(kern.fused_clamp_float, xs, lo_f, hi_f)))
             return out
         if op == "cast":
             out = []
-            for target, fn in (("float", F.fused_cast_float), ("id", F.fused_cast_id)):
+            for target, fn in (("float", kern.fused_cast_float), ("id", kern.fused_cast_id)):
                 idx = [i for i in every if p[i]["to"] == target]
                 if idx:
                     # a cast to the type the values already have is a copy; the kernels take the other type only

@@ -13,5 +13,6 @@ __all__, __getattr__, __dir__, _WHERE = lazy_exports(__name__, {
     "recforge.rap.planning.job_schedule": (
         "measured_kernel_cost", "plan_schedule", "simulated_iteration_ms", "stored_profile",
     ),
-    "recforge.rap.planning.gantt": ("log_schedule", "save_png"),
+    "recforge.rap.planning.gantt": ("gantt_tasks", "log_schedule", "measured_gantt", "save_png"),
+    "recforge.rap.planning.choice": ("CORUN_MARGIN", "ModeChoice", "ModePredictions", "choose_mode"),
 })

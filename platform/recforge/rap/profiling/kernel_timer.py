@@ -32,3 +32,18 @@ def group_timer(executor, dataset: DatasetConfig, rows: int, repeats: int = 5, s
         return statistics.median(times)
 
     return ms
+
+
+def batch_ms(executor, dataset: DatasetConfig, rows: int, repeats: int = 5, seed: int = 0) -> float:
+    """ms of `executor` over one batch of `rows` synthetic rows, whole (median of `repeats` after a warm call):
+    what inline preprocessing adds to a training step."""
+    if rows < 1 or repeats < 1:
+        raise ValueError(f"batch_ms: rows and repeats must be >= 1, got rows={rows}, repeats={repeats}")
+    raw = random_raw_batch(dataset, rows, seed=seed)
+    executor(raw)  # warm: kernel caches, first-call setup
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        executor(raw)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)

@@ -4,7 +4,8 @@ A snapshot is an ordinary DCP checkpoint in a tmpfs directory (`/dev/shm/...`): 
 group is written by torch.distributed.checkpoint (collective planning, so the global metadata that
 makes it load resharded exists); every later one takes the fast path (recforge.train.recovery.flash_layout):
 each rank copies its tensors' bytes into the same file layout and writes it, with no collective, no
-planning and no pickling of tensors. Each rank then leaves a `done-rank<r>` marker; rank 0 also
+planning and no pickling of tensors. Each rank then leaves a `done-rank<r>` marker (listing the sizes of
+the files it wrote, checked on load; the agent's disk copy carries sha256 of every file); rank 0 also
 writes the recforge meta and drops snapshots older than the newest complete one. The agent
 (recforge.elastic.agent.flash_checkpoint.FlashPersister, in the process that launched the workers)
 persists complete snapshots to disk asynchronously, also after a worker died; a restarted group
@@ -25,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from recforge.train.recovery.flash_layout import Layout, RecordingWriter
-from recforge.train.recovery.layout import META_FILE, done_marker, memory_problem, step_dirs, step_name
+from recforge.train.recovery.layout import META_FILE, memory_problem, step_dirs, step_name, write_done_marker
 from recforge.train.recovery.resume import training_state
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class FlashSnapshotter:
             self._full_save(state, path)
         if self.rank == 0:
             (path / META_FILE).write_text(json.dumps(meta, default=str))
-        (path / done_marker(self.rank)).touch()
+        write_done_marker(path, self.rank)  # with the sizes of the files this rank wrote
         if self.rank == 0:
             self._drop_older(step)
         return path

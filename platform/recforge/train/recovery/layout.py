@@ -1,7 +1,11 @@
-"""On-disk layout of step checkpoints, free of torch: names, completeness checks, checksums, pruning.
+"""On-disk layout of checkpoints, free of torch: names, completeness checks, checksums, fingerprints, pruning.
 
-Shared by the workers (recforge.train.recovery.resume, recforge.train.recovery.flash) and the agent that persists
-flash checkpoints (recforge.elastic.agent.flash_checkpoint), which must stay light to import.
+Shared by the workers (recforge.train.recovery.resume, recforge.train.recovery.flash), the final checkpoint
+(recforge.train.recovery.checkpoint) and the agent that persists flash checkpoints
+(recforge.elastic.agent.flash_checkpoint), which must stay light to import. Every disk checkpoint (step or final)
+carries CHECKSUMS.json (sha256 + size of every file), written last; `verify_checkpoint` checks it and raises
+naming the file. Its meta carries a fingerprint of the model it holds (model config, tables (name, rows), dense
+features, preprocessing plan hash); `check_compatible` says why a checkpoint does not fit the current run.
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +105,39 @@ def disk_problem(path: Path, deep: bool = True) -> str | None:
     return None
 
 
+class CheckpointCorrupt(ValueError):
+    """A checkpoint's files do not match its checksums (or it has none): the message names the checkpoint and file."""
+
+
+class CheckpointIncompatible(ValueError):
+    """A checkpoint of another model or plan than the current run's: the message says what differs."""
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raise CheckpointCorrupt naming the checkpoint and the file unless every file matches CHECKSUMS.json."""
+    problem = disk_problem(Path(path))
+    if problem is not None:
+        raise CheckpointCorrupt(f"checkpoint {path}: {problem}; refusing to load it")
+
+
+def rank_files(path: Path, rank: int) -> list[Path]:
+    """The files rank `rank` writes into a DCP checkpoint directory: its `__<rank>_*.distcp` data, and on rank 0
+    also the global `.metadata` and the recforge meta."""
+    out = sorted(Path(path).glob(f"__{rank}_*.distcp"))
+    if rank == 0:
+        out += [p for p in (Path(path) / ".metadata", Path(path) / META_FILE) if p.exists()]
+    return out
+
+
+def write_done_marker(path: Path, rank: int) -> None:
+    """Rank `rank` finished writing a flash snapshot: its marker lists the sizes of the files it wrote (a cheap
+    check against truncation; the disk copy the agent persists carries sha256), written atomically."""
+    sizes = {p.name: p.stat().st_size for p in rank_files(path, rank)}
+    tmp = Path(path) / (done_marker(rank) + ".tmp")
+    tmp.write_text(json.dumps(sizes, sort_keys=True))
+    os.replace(tmp, Path(path) / done_marker(rank))
+
+
 def memory_problem(path: Path) -> str | None:
     path = Path(path)
     meta_path = path / META_FILE
@@ -112,7 +150,79 @@ def memory_problem(path: Path) -> str | None:
     missing = [r for r in range(world) if not (path / done_marker(r)).exists()]
     if missing:
         return f"incomplete flash checkpoint: ranks {missing} never finished writing"
+    for r in range(world):
+        text = (path / done_marker(r)).read_text()
+        try:
+            sizes = json.loads(text) if text.strip() else {}  # an empty marker: written before sizes were recorded
+        except ValueError:
+            return f"{done_marker(r)} unreadable"
+        for name, size in sizes.items():
+            f = path / name
+            if not f.exists() or f.stat().st_size != size:
+                have = f.stat().st_size if f.exists() else "no"
+                return f"flash checkpoint file {name} has {have} bytes, rank {r} wrote {size}"
     return None
+
+
+# ---- fingerprint: which model and plan a checkpoint holds --------------------------------------------------
+FINGERPRINT_KEY = "fingerprint"
+
+
+def plan_sha256(plan: Mapping[str, Any]) -> str:
+    """sha256 of a preprocessing plan's features (Plan.model_dump(mode="json"); its name does not count): two
+    plans that give the model the same inputs hash alike."""
+    features = plan.get("features", plan)
+    return hashlib.sha256(json.dumps(features, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def fingerprint(model: Mapping[str, Any], tables: Sequence[tuple[str, int]] | Sequence[list], num_dense: int,
+                plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What a checkpoint's weights are of: the model config (ModelConfig.model_dump(mode="json")), the embedding
+    tables (name, rows) in order, the number of dense features, and the plan's hash (plan_sha256)."""
+    return {"model": dict(model), "tables": [[str(n), int(r)] for n, r in tables], "num_dense": int(num_dense),
+            "plan_sha256": plan_sha256(plan) if plan is not None else None}
+
+
+def check_compatible(meta: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
+    """Why a checkpoint (its meta) cannot be loaded into the run whose `fingerprint` is `current`; None: it fits.
+    A checkpoint without a fingerprint is refused (nothing says it fits)."""
+    saved = meta.get(FINGERPRINT_KEY)
+    if not isinstance(saved, Mapping):
+        return "the checkpoint records no model/plan fingerprint, so it cannot be shown to match this run"
+    diffs: list[str] = []
+    model_s, model_c = saved.get("model") or {}, current.get("model") or {}
+    for k in sorted(set(model_s) | set(model_c)):
+        if model_s.get(k) != model_c.get(k):
+            diffs.append(f"model.{k}: checkpoint {model_s.get(k)!r}, this run {model_c.get(k)!r}")
+    tables_s = {n: r for n, r in saved.get("tables") or []}
+    tables_c = {n: r for n, r in current.get("tables") or []}
+    if missing := sorted(set(tables_c) - set(tables_s)):
+        diffs.append(f"tables not in the checkpoint: {missing}")
+    if extra := sorted(set(tables_s) - set(tables_c)):
+        diffs.append(f"tables only in the checkpoint: {extra}")
+    for n in sorted(set(tables_s) & set(tables_c)):
+        if tables_s[n] != tables_c[n]:
+            diffs.append(f"table {n!r}: checkpoint {tables_s[n]} rows, this run {tables_c[n]}")
+    if saved.get("num_dense") != current.get("num_dense"):
+        diffs.append(f"dense features: checkpoint {saved.get('num_dense')}, this run {current.get('num_dense')}")
+    if saved.get("plan_sha256") != current.get("plan_sha256"):
+        diffs.append(f"preprocessing plan: checkpoint sha256 {str(saved.get('plan_sha256'))[:12]}, this run "
+                     f"{str(current.get('plan_sha256'))[:12]}")
+    return "; ".join(diffs) or None
+
+
+def checkpoint_problem(path: Path, source: str = DISK, current: Mapping[str, Any] | None = None) -> str | None:
+    """Why the checkpoint at `path` must not be loaded, or None: integrity (disk: every sha256; memory: complete,
+    sizes) and, with `current` (this run's fingerprint), compatibility. The one check every loader runs."""
+    problem = memory_problem(path) if source == MEMORY else disk_problem(path)
+    if problem is None and current is not None:
+        try:
+            problem = check_compatible(read_meta(path), current)
+        except (OSError, ValueError) as e:
+            problem = f"{META_FILE} unreadable ({e})"
+        if problem is not None:
+            problem = f"another model or plan: {problem}"
+    return problem
 
 
 def read_meta(path: Path) -> dict[str, Any]:

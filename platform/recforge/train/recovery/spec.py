@@ -35,6 +35,9 @@ class RecoverySpec(BaseModel):
     grad_accumulation: int = Field(1, ge=1, description="micro-batches per step: each rank trains its share of the "
                                    "global batch in k forward/backward passes, then steps once")
     ledger_dir: Path | None = Field(None, description="per-sample accounting: every rank appends the rows it trains")
+    events_file: Path | None = Field(
+        None, description="rank 0 appends one JSON line per group start, step checkpoint and finish (what the "
+        "pipeline's checkpoint record is built from, across relaunches and task retries)")
     failures_dir: Path | None = Field(None, description="a failing rank writes its exception here for the failover "
                                       "policy")
     master_retry_attempts: int = Field(10, ge=1, description="job master calls are retried this often (backoff up "

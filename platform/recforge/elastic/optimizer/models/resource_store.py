@@ -18,7 +18,12 @@ import pandas as pd
 from recforge.elastic.optimizer.models.history import JobRecord
 from recforge.elastic.optimizer.models.memory_model import MemoryModel
 from recforge.elastic.optimizer.models.throughput_model import Allocation, ModelFitError, Sample, ThroughputModel
-from recforge.tracking.resource_models import ResourceModelRecord, find_resource_runs, record_problem
+from recforge.tracking.resource_models import (
+    ResourceModelRecord,
+    find_resource_runs,
+    record_problem,
+    registered_versions,
+)
 from recforge.tracking.resource_models import log_resource_model as _log_record
 from recforge.tracking.store import TrackingStore
 
@@ -132,8 +137,14 @@ class MlflowHistory:
         self.problems: list[str] = []
 
     def similar(self, dataset: str, model_family: str, limit: int = 20) -> list[JobRecord]:
+        """Newest first; a run whose model is a registered version carries it in extra["registered_version"]."""
         runs = find_resource_runs(self.store, dataset, model_family, limit=min(limit, self.max_runs))
-        return [self._record(r, dataset, model_family) for r in runs]
+        versions = registered_versions(self.store, dataset, model_family)
+        out = [self._record(r, dataset, model_family) for r in runs]
+        for rec in out:
+            if rec.run_id in versions:
+                rec.extra["registered_version"] = versions[rec.run_id]
+        return out
 
     def _record(self, run, dataset: str, model_family: str) -> JobRecord:
         self.problems.extend(run.problems)

@@ -1,0 +1,158 @@
+"""An Airflow retry of `train` resumes: trigger recforge_daily on the live services (tiny data, 2 workers, a step
+checkpoint every 20 steps), SIGKILL the train task's process once a checkpoint exists, and let Airflow retry it.
+
+Checked: the killed attempt's workers die with it (no orphan overlaps the retry); the retry resumes from the
+checkpoint (resumed_from_step > 0, one resume, in outputs.json and the MLflow run); the final model's lineage holds
+every training row exactly once (the ledger); the MLflow train_loss history has no step twice; the retry's task log
+shows the workers' per-step progress; steps / world_size / batch_size are params, not metrics. The AUC is compared
+with an undisturbed training of the same data (the same train and evaluate stage functions, in this process, in a
+sibling run dir that reuses the run's data and plan): a second whole DAG run would cost twice the time.
+"""
+import json
+import os
+import shutil
+import signal
+import time
+import uuid
+
+import psutil
+import pytest
+
+from e2e_services import DAG_ID, artifacts_dir
+from recforge.data.manifest import shard_rows_from_manifest
+from recforge.pipelines.context import RunContext, run_key_from
+from recforge.pipelines.dag_tasks import config_from_params
+from recforge.pipelines.outputs import EvaluateOutputs, IngestOutputs, TrainOutputs
+from recforge.train.loop.ledger import audit
+
+pytestmark = pytest.mark.slow
+
+# ~190 steps per epoch at 2 x 16 rows: long enough to kill after the step-20 checkpoint, short enough to be cheap
+CONF = {"rows_per_day": 6000, "batch_size": 16, "table_cap": 5000, "workers": 2, "checkpoint_every_steps": 20,
+        "resources_policy": "static", "preprocessing": "inline"}
+
+
+def _checkpointed(work) -> bool:
+    events = work / "events.jsonl"
+    return events.exists() and '"event": "checkpoint"' in events.read_text()
+
+
+def _wait_for_task(live, run_id: str, task_id: str, timeout: float) -> None:
+    """Until `task_id` of the run succeeded (the later tasks, compile and publish, are not this test's subject)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        live.fail_foreign_runs()
+        r = live.api("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task_id}")
+        if r.status_code == 401:  # token expired
+            live.login()
+            continue
+        state = r.json().get("state") if r.status_code == 200 else None
+        if state == "success":
+            return
+        assert state not in ("failed", "upstream_failed") and time.monotonic() < deadline, \
+            f"{task_id} is {state} after {timeout}s\n{live.describe(run_id)}"
+        time.sleep(3)
+
+
+def _tries(live, run_id: str) -> list[dict]:
+    r = live.api("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/train/tries")
+    r.raise_for_status()
+    return r.json()["task_instances"]
+
+
+def test_a_killed_train_task_is_retried_and_resumes_from_its_checkpoint(live, monkeypatch):
+    run_id = f"e2e_resume_{uuid.uuid4().hex[:8]}"
+    conf = {**CONF, "seed": int(time.time()) % 100_000}
+    t0 = time.monotonic()
+    r = live.trigger(run_id, conf)
+    assert r.status_code == 200, r.text
+    key = run_key_from(run_id)
+    run_dir = live.home / "runs" / DAG_ID / key
+    work = run_dir / ".train.work"
+
+    deadline = time.monotonic() + 300
+    while not _checkpointed(work):  # a step checkpoint exists: kill the task process now
+        assert time.monotonic() < deadline, f"no step checkpoint after 300s\n{live.describe(run_id)}"
+        live.fail_foreign_runs()
+        time.sleep(0.3)
+    task_pid = int((work / "task.pid").read_text())
+    task = psutil.Process(task_pid)
+    workers = [p for p in task.children(recursive=True)]
+    assert any("torch.distributed.run" in " ".join(p.cmdline()) for p in workers), [p.cmdline() for p in workers]
+    killed_at = time.monotonic()
+    os.kill(task_pid, signal.SIGKILL)
+    _, alive = psutil.wait_procs(workers, timeout=15)
+    assert not alive, f"orphans of the killed task: {[(p.pid, p.cmdline()) for p in alive]}"
+
+    _wait_for_task(live, run_id, "evaluate", timeout=900)
+    total_s = time.monotonic() - t0
+    tries = _tries(live, run_id)
+    assert [t["state"] for t in tries] == ["failed", "success"], tries
+
+    train = TrainOutputs.model_validate_json((run_dir / "train" / "outputs.json").read_text())
+    ck = train.checkpoints
+    assert ck is not None and ck.every_steps == 20 and ck.flash
+    assert ck.resumed_from_step is not None and ck.resumed_from_step >= 20 and ck.resumes == 1
+    assert ck.taken >= 2 and ck.overhead_s > 0
+    assert not work.exists()  # committed: the work dir is gone, its evidence copied into the stage dir
+
+    # lineage: every training row exactly once in the final model (the ledger the workers kept)
+    ingest = IngestOutputs.model_validate_json((run_dir / "ingest" / "outputs.json").read_text())
+    rows = sum(shard_rows_from_manifest(ingest.train.manifest_dir))
+    lineage = audit(run_dir / "train" / "job" / "ledger")
+    assert set(lineage.lineage.values()) == {1} and len(lineage.lineage) == rows
+    assert sum(lineage.redone.values()) == ck.rows_retrained
+
+    # MLflow: the record, params not metrics, no step of train_loss twice
+    exp = live.mlflow("GET", "experiments/get-by-name", params={"experiment_name": DAG_ID})["experiment"]
+    runs = live.mlflow("POST", "runs/search", json={
+        "experiment_ids": [exp["experiment_id"]],
+        "filter": f"tags.`recforge.run_key` = '{key}' and tags.`recforge.stage` = 'train'"})["runs"]
+    assert len(runs) == 1
+    mrun = runs[0]
+    metrics = {m["key"]: m["value"] for m in mrun["data"]["metrics"]}
+    params = {p["key"]: p["value"] for p in mrun["data"]["params"]}
+    assert metrics["resumed_from_step"] == ck.resumed_from_step and metrics["resumes"] == 1
+    assert metrics["checkpoints_taken"] == ck.taken
+    assert {"steps", "world_size", "batch_size"} <= set(params) and not {"steps", "world_size", "batch_size"} & set(
+        metrics)
+    history = live.mlflow("GET", "metrics/get-history", params={"run_id": mrun["info"]["run_id"],
+                                                                 "metric_key": "train_loss"})["metrics"]
+    steps = [m["step"] for m in history]
+    assert steps and len(steps) == len(set(steps)), sorted(steps)
+
+    # the retry's task log shows the workers' per-step progress
+    r = live.api("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/train/logs/2",
+                 headers={"Accept": "application/json"})
+    assert r.status_code == 200, r.text[:500]
+    events = [str(c.get("event", "")) if isinstance(c, dict) else str(c) for c in r.json()["content"]]
+    progress = [e for e in events if "rank0 INFO recforge.train.loop.step_loop: epoch 0 step" in e]
+    assert progress and all(e.startswith("workers: ") for e in progress), events[-40:]
+
+    # AUC against the same data trained undisturbed (same stage functions, same MLflow server)
+    from recforge.pipelines.stages.evaluate import evaluate
+    from recforge.pipelines.stages.train import train as train_stage
+
+    resumed_auc = EvaluateOutputs.model_validate_json((run_dir / "evaluate" / "outputs.json").read_text()).auc
+    monkeypatch.setenv("RECFORGE_HOME", str(live.home))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", live.mlflow_url)
+    ref = RunContext.create(f"{key}_undisturbed", config_from_params(conf), home=live.home,
+                            tracking_uri=live.mlflow_url)
+    for stage in ("generate", "ingest", "plan_resources"):
+        shutil.copytree(run_dir / stage, ref.stage_dir(stage))
+    t1 = time.monotonic()
+    ref_train = train_stage(ref)
+    ref_train_s = time.monotonic() - t1
+    ref_auc = evaluate(ref).auc
+    assert ref_train.checkpoints.resumed_from_step is None
+    assert abs(resumed_auc - ref_auc) < 0.01, (resumed_auc, ref_auc)
+
+    report = {"run_id": run_id, "total_s": total_s, "killed_after_s": killed_at - t0,
+              "tries": [{k: t.get(k) for k in ("try_number", "state", "start_date", "end_date", "duration")}
+                        for t in tries],
+              "checkpoints": ck.model_dump(mode="json"), "undisturbed_train_stage_s": ref_train_s,
+              "auc_resumed": resumed_auc, "auc_undisturbed": ref_auc}
+    durations = [t.get("duration") or 0.0 for t in tries]
+    report["time_lost_s"] = sum(durations) - ref_train_s  # both tries of the task against one undisturbed stage run
+    (artifacts_dir() / "train_retry_resumes.json").write_text(json.dumps(report, indent=2, default=str))
+    print(json.dumps(report, indent=2, default=str))
