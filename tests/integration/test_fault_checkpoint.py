@@ -212,3 +212,34 @@ def test_accumulated_micro_batches_equal_one_step_on_the_whole_batch(world1):
     untrained = _predict(_build(1, fused=False, sharding="data_parallel"))
     assert (_predict(ref) - untrained).abs().max() > 1e-2
     torch.testing.assert_close(_predict(acc), _predict(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_step_checkpoint_of_another_plan_is_skipped_for_the_previous_one(world1, tmp_path, caplog):
+    """A newer step checkpoint whose model/plan fingerprint differs from this run's is not loaded: the resume
+    falls back to the newest one that fits, naming the difference."""
+    from recforge.train.recovery.layout import fingerprint
+    from recforge.train.recovery.resume import load_latest, save_disk
+
+    ours = fingerprint(_model_cfg().model_dump(mode="json"), TABLES, NUM_DENSE, {"features": ["a"]})
+    theirs = fingerprint(_model_cfg().model_dump(mode="json"), TABLES, NUM_DENSE, {"features": ["b"]})
+    sm = _build(1)
+    _step(sm, 0, 1, 0)
+    save_disk(sm.model, sm.optimizer, tmp_path, 1, rank=0, meta={"step": 1, "world_size": 1, "fingerprint": ours},
+              keep=2)
+    at_step_1 = _predict(sm)
+    _step(sm, 0, 1, 1)
+    save_disk(sm.model, sm.optimizer, tmp_path, 2, rank=0, meta={"step": 2, "world_size": 1, "fingerprint": theirs},
+              keep=2)
+
+    fresh = _build(1)
+    with caplog.at_level(logging.WARNING, logger="recforge.train.recovery.resume"):
+        restored = load_latest(fresh.model, fresh.optimizer, rank=0, disk_root=tmp_path, memory_root=None,
+                               fingerprint=ours)
+    assert restored is not None and restored.step == 1
+    [(path, why)] = restored.skipped
+    assert path == str(tmp_path / "step-000000002") and why.startswith("another model or plan: ")
+    assert "plan" in why
+    torch.testing.assert_close(_predict(fresh), at_step_1)
+    # without a fingerprint to check against (a caller that does not know its plan), integrity alone decides
+    fresh = _build(1)
+    assert load_latest(fresh.model, fresh.optimizer, rank=0, disk_root=tmp_path, memory_root=None).step == 2

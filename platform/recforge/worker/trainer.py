@@ -150,7 +150,8 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
     disk_root = rec.steps_root(spec.checkpoint_dir)
     memory_root = rec.shm_root(spec.checkpoint_dir)
     start = resume_group(sharded.model, sharded.optimizer, client, rank=rank, disk_root=disk_root,
-                         memory_root=memory_root if rec.flash else None, reason=f"generation {generation} starts")
+                         memory_root=memory_root if rec.flash else None, reason=f"generation {generation} starts",
+                         fingerprint=model_fingerprint)
     state, restored = start.state, start.restored
     if restored is None and spec.init_checkpoint is not None:  # warm start; the run's own checkpoint comes first
         load_init_checkpoint(sharded.model, sharded.optimizer, spec.init_checkpoint, rank=rank,

@@ -8,6 +8,7 @@ to the very start when there is no checkpoint (the model starts from its initial
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,11 @@ class GroupStart:
 
 
 def resume_group(model: Any, optimizer: Any, client: Any, *, rank: int, disk_root: Path,
-                 memory_root: Path | None, reason: str) -> GroupStart:
-    """Collective: every rank calls it after sharding the model and before any rank leases a task."""
-    restored = load_latest(model, optimizer, rank=rank, disk_root=disk_root, memory_root=memory_root)
+                 memory_root: Path | None, reason: str, fingerprint: Mapping[str, Any] | None = None) -> GroupStart:
+    """Collective: every rank calls it after sharding the model and before any rank leases a task. With
+    `fingerprint` (this run's model/plan), a checkpoint of another model or plan is skipped with the reason."""
+    restored = load_latest(model, optimizer, rank=rank, disk_root=disk_root, memory_root=memory_root,
+                           fingerprint=fingerprint)
     box: list[Any] = [None]
     if rank == 0:
         data_state = restored.meta.get("data_state") if restored is not None else None

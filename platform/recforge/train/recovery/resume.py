@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,11 +41,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from recforge.train.loop.step_loop import EpochStats, LoopState
 from recforge.train.recovery.layout import (
-    DISK,
     MEMORY,
     META_FILE,
     Candidate,
     candidates,
+    checkpoint_problem,
     disk_problem,
     memory_problem,
     prune,
@@ -139,11 +140,12 @@ def _load_into(model: Any, optimizer: Any, path: Path) -> list[str]:
 
 
 def load_latest(model: Any, optimizer: Any, *, rank: int, disk_root: Path | None,
-                memory_root: Path | None) -> Restored | None:
+                memory_root: Path | None, fingerprint: Mapping[str, Any] | None = None) -> Restored | None:
     """Collective: load the newest usable checkpoint into the (sharded) model and optimizer.
 
-    Falls back past checkpoints that are incomplete, corrupt (checksum) or fail to load, logging one
-    warning line each. Returns None when there is none (training starts from the initial weights).
+    Falls back past checkpoints that are incomplete, corrupt (checksum), of another model or plan (with
+    `fingerprint`, this run's: layout.fingerprint) or fail to load, logging one warning line each. Returns
+    None when there is none (training starts from the initial weights).
     Raises RuntimeError when a load failed and no older checkpoint is left (the weights may be
     partly overwritten: starting from them would be silently wrong)."""
     mine = {(str(c.path), c.source) for c in candidates(disk_root, memory_root) if _usable_here(c)}
@@ -166,7 +168,7 @@ def load_latest(model: Any, optimizer: Any, *, rank: int, disk_root: Path | None
                     _skip(skipped, c, why)
                     tried.add(str(c.path))
                     continue
-                problem = disk_problem(c.path) if c.source == DISK else None
+                problem = checkpoint_problem(c.path, c.source, fingerprint)
                 if problem is not None:
                     _skip(skipped, c, problem)
                     tried.add(str(c.path))
