@@ -64,6 +64,7 @@ class LiveServices:
     password: str
     token: str = ""
     owned: set[str] = field(default_factory=set)  # run ids the tests triggered
+    succeeded: dict[str, dict] = field(default_factory=dict)  # run id -> the DAG run (conf included), as it ended
 
     # Airflow ---------------------------------------------------------------------------------------
     def login(self) -> str:
@@ -124,6 +125,7 @@ class LiveServices:
             r.raise_for_status()
             run = r.json()
             if run["state"] == "success":
+                self.succeeded[run_id] = run
                 return run
             if run["state"] == "failed" or time.monotonic() > deadline:
                 raise RunFailed(f"run {run_id} is {run['state']} after {timeout - (deadline - time.monotonic()):.0f}s"

@@ -59,13 +59,17 @@ def test_invalid_params_are_refused_naming_the_field(live, conf, field):
 
 
 def test_triggered_run_is_tracked_registered_and_aliased_in_mlflow(live):
-    seed = int(time.time()) % 100_000
-    run_id = f"e2e_api_{uuid.uuid4().hex[:8]}"
-    conf = {**TINY, "seed": seed}
-    r = live.trigger(run_id, conf)
-    assert r.status_code == 200, r.text
-    assert r.json()["conf"] == conf
-    live.wait_for_run(run_id)
+    """Checks a whole run on the default product path: the browser test's UI-triggered run when it ran in this
+    session (one DAG run less: the suite's time), else one triggered here through the REST API."""
+    ui_runs = [r for r in live.succeeded.values() if r["dag_run_id"].startswith("e2e_browser_")]
+    if ui_runs:
+        run_id, conf = ui_runs[0]["dag_run_id"], ui_runs[0]["conf"]
+    else:
+        run_id, conf = f"e2e_api_{uuid.uuid4().hex[:8]}", {**TINY, "seed": int(time.time()) % 100_000}
+        r = live.trigger(run_id, conf)
+        assert r.status_code == 200, r.text
+        assert r.json()["conf"] == conf
+        live.wait_for_run(run_id)
     key = run_key_from(run_id)
 
     exp = live.mlflow("GET", "experiments/get-by-name", params={"experiment_name": DAG_ID})["experiment"]
@@ -79,8 +83,12 @@ def test_triggered_run_is_tracked_registered_and_aliased_in_mlflow(live):
     assert sorted(by_stage) == sorted(STAGES + ["pipeline"])
     parent, _ = by_stage["pipeline"]
     params = {p["key"]: p["value"] for p in parent["data"]["params"]}
-    assert params["rows_per_day"] == "3000" and params["seed"] == str(seed) and params["table_cap"] == "5000"
-    assert params["train.batch_size"] == "256" and params["resources.workers"] == "2"
+    assert params["rows_per_day"] == str(conf["rows_per_day"]) and params["seed"] == str(conf["seed"])
+    assert params["table_cap"] == str(conf["table_cap"]) and params["train.batch_size"] == str(conf["batch_size"])
+    assert params["resources.workers"] == str(conf["workers"])
+    # the defaults the trigger left alone are the product's: RAP auto, DLRover-RM, checkpoints on
+    assert params["preprocessing"] == "auto" and params["resources.policy"] == "dlrover"
+    assert int(params["checkpoint.every_steps"]) > 0
     assert parent["info"]["status"] == "FINISHED"
     for stage in STAGES:
         run, tags = by_stage[stage]

@@ -218,8 +218,11 @@ def test_rank0_logs_training_metrics_to_mlflow(job):
     client, run_id, log_every = job["store"].client, job["run_id"], job["train"].log_every
     loss = client.get_metric_history(run_id, "train_loss")
     sps = client.get_metric_history(run_id, "samples_per_s")
-    assert loss and len(loss) == len(sps) == job["worker"]["steps"] // log_every  # rank 0 only, once per window
-    assert [m.step for m in loss] == [log_every * (i + 1) for i in range(len(loss))]
+    # rank 0 only, once per window, and the trailing part-window at the last step (so the curve ends there)
+    steps = job["worker"]["steps"]
+    want = [log_every * (i + 1) for i in range(steps // log_every)] + ([steps] if steps % log_every else [])
+    assert loss and len(loss) == len(sps) == len(want)
+    assert [m.step for m in loss] == want
     assert all(math.isfinite(m.value) and m.value > 0 for m in loss + sps)
     final = client.get_metric_history(run_id, "final_train_loss")
     assert len(final) == 1 and final[0].value == pytest.approx(job["worker"]["final_loss"])

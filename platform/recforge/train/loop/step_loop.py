@@ -170,6 +170,12 @@ def train_epoch(
     g_loss, g_samples = _all_reduce([win_loss, float(win_samples)])
     if g_samples:
         state.last_window_loss = g_loss / g_samples
+        # the trailing part-window is logged too, so the curve ends at the last step (and a job shorter than
+        # log_every steps still has one point); every rank takes this branch (g_samples is all-reduced)
+        quality = window.gather(world_size, rank)
+        if rank == 0 and sink is not None:
+            sps = g_samples / max(time.perf_counter() - win_t0, 1e-9)
+            sink({"train_loss": state.last_window_loss, "samples_per_s": sps, **quality}, state.step)
     stats.loss_sum += g_loss
     stats.samples += int(g_samples)
     stats.wall_s += time.perf_counter() - t0
