@@ -1,7 +1,6 @@
 """Op DAG (sharing, class duplication) and RAP's layer assignment: MILP (HiGHS) vs greedy-by-depth vs brute force."""
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 
 import pytest
@@ -28,14 +27,25 @@ def plan_of(*features) -> Plan:
 
 
 def brute_force_best(graph, num_layers: int) -> int:
-    ranges = []
-    for n in graph.nodes:
-        ranges.append(range(n.depth, num_layers - graph.height(n.id)))
+    """Exhaustive search over every layer assignment that keeps each node below its parent (depth-first over
+    the nodes in an order where parents come first, so invalid branches are cut early; still every valid one)."""
+    nodes = sorted(graph.nodes, key=lambda n: n.depth)
+    layer_of: dict = {}
     best = -1
-    for combo in itertools.product(*ranges):
-        layer_of = dict(enumerate(combo))
-        if all(n.parent is None or layer_of[n.id] > layer_of[n.parent] for n in graph.nodes):
+
+    def visit(i: int) -> None:
+        nonlocal best
+        if i == len(nodes):
             best = max(best, objective(graph, layer_of))
+            return
+        n = nodes[i]
+        low = n.depth if n.parent is None else max(n.depth, layer_of[n.parent] + 1)
+        for layer in range(low, num_layers - graph.height(n.id)):
+            layer_of[n.id] = layer
+            visit(i + 1)
+        del layer_of[n.id]
+
+    visit(0)
     return best
 
 
