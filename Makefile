@@ -64,6 +64,8 @@ demo: $(STAMP)
 up: $(STAMP)
 	scripts/services.sh up
 
+# Returns once nothing of the platform runs (services, task processes, training jobs), SIGKILLing what outlives
+# RECFORGE_DOWN_GRACE (30 s) after SIGTERM; fails, naming them, if anything survives.
 down:
 	scripts/services.sh down
 

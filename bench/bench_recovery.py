@@ -22,6 +22,7 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform as py_platform  # noqa: E402
+import secrets  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
@@ -32,6 +33,7 @@ from datetime import UTC, datetime  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from recforge.elastic.backends.local import free_port  # noqa: E402
+from recforge.elastic.master.state_log import read_master_state  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH = 256
@@ -57,8 +59,8 @@ def prepare(root: Path, rows: int):
 def _poll(state_file: Path, events: dict, stop: threading.Event, kill_after_done: int) -> None:
     while not stop.is_set():
         try:
-            d = json.loads(state_file.read_text())
-        except (OSError, ValueError):
+            d = read_master_state(state_file)  # snapshot + log: what the master has written so far
+        except (OSError, ValueError, RuntimeError):
             time.sleep(0.02)
             continue
         now = time.time()
@@ -191,7 +193,9 @@ def sharding_overhead(data, epochs: int) -> dict:
     from recforge.elastic.master.service import JobMaster
 
     shard_rows = [s.rows for s in Manifest.load(data["root"] / "train").shards]
-    masters = [JobMaster(shard_rows, rows_per_task=BATCH * 8, lease_timeout_s=600).start() for _ in range(epochs)]
+    token = os.environ.setdefault("RECFORGE_MASTER_TOKEN", secrets.token_urlsafe(32))  # the spawned ranks read it
+    masters = [JobMaster(shard_rows, rows_per_task=BATCH * 8, lease_timeout_s=600, token=token).start()
+               for _ in range(epochs)]
     out = data["root"] / "sharding.json"
     try:
         mp.spawn(_sharding_worker, args=(free_port(), [m.url for m in masters], str(data["root"]), epochs, str(out)),

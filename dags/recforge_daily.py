@@ -7,6 +7,8 @@ Every Param is a PipelineConfig field (recforge.pipelines.dag_tasks.PARAM_FIELDS
 enum and description are read off the config. A conf key the DAG does not know, or a value of the wrong type or
 out of range, fails the task at once naming the Param; invalid input is never retried, other failures are
 retried once. A failed or cancelled task closes its MLflow runs as FAILED with the reason (tag recforge.error).
+Every task has an execution_timeout sized to its stage (recforge.pipelines.dag_tasks.STAGE_TIMEOUTS_S;
+RECFORGE_TIMEOUT_<TASK>_S overrides one).
 """
 from __future__ import annotations
 
@@ -16,11 +18,11 @@ from itertools import pairwise
 import pendulum
 from airflow.sdk import Param, dag, get_current_context, task
 
-from recforge.pipelines.dag_tasks import close_open_runs, default_params, run_stage_from_context
+from recforge.pipelines.dag_tasks import close_open_runs, default_params, run_stage_from_context, stage_timeout
 
 
 def _stage(name: str):
-    @task(task_id=name)
+    @task(task_id=name, execution_timeout=stage_timeout(name))
     def run() -> dict:
         return run_stage_from_context(name, get_current_context())
 

@@ -9,15 +9,20 @@ data manifest, resources with backend "kubernetes", state directory).
 
 The pod is `recforge.elastic.backends.k8s_manifests.master_pod` (the one that infra/jobs/job-master-pod-template.yaml
 is generated from), built by recforge.pipelines.k8s_job with the Params as Jinja values and handed to the operator
-as its pod template. Wiring only: nothing heavy is imported.
+(recforge.pipelines.k8s_operator.JobMasterPodOperator) as its pod template. The image is one of the deployment's
+allow-list (RECFORGE_K8S_IMAGES, the default first; any other is refused before a pod exists, naming it), the
+namespace is the deployment's (RECFORGE_K8S_NAMESPACE): neither is the trigger's to choose. The operator creates
+the job's master token Secret, owned by the pod. Wiring only: nothing heavy is imported.
 """
 from __future__ import annotations
 
 import pendulum
-from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.sdk import Param, dag
 
 from recforge.pipelines.k8s_job import DATA_MOUNT, job_master_pod, pod_operator_kwargs
+from recforge.pipelines.k8s_operator import JobMasterPodOperator, deployment
+
+DEPLOYMENT = deployment()
 
 
 @dag(
@@ -29,8 +34,8 @@ from recforge.pipelines.k8s_job import DATA_MOUNT, job_master_pod, pod_operator_
     params={
         "job_json": Param(f"{DATA_MOUNT}/runs/train/job.json", type="string",
                           description="TrainingJob document on the shared volume"),
-        "namespace": Param("recforge", type="string"),
-        "image": Param("registry.example.com/recforge:0.1.0", type="string", description="master and worker image"),
+        "image": Param(DEPLOYMENT.default_image, type="string", enum=DEPLOYMENT.images,
+                       description="master and worker image (the deployment's allow-list, RECFORGE_K8S_IMAGES)"),
         "worker_memory": Param("16Gi", type="string", description="memory request of each worker pod"),
         "worker_gpus": Param(0, type="integer", minimum=0),
     },
@@ -39,14 +44,17 @@ from recforge.pipelines.k8s_job import DATA_MOUNT, job_master_pod, pod_operator_
 )
 def recforge_train_k8s():
     pod = job_master_pod(
-        namespace="{{ params.namespace }}",
+        namespace=DEPLOYMENT.namespace,
         image="{{ params.image }}",
         job_json="{{ params.job_json }}",
         worker_memory="{{ params.worker_memory }}",
         worker_gpus="{{ params.worker_gpus }}",
+        mlflow_tracking_uri=DEPLOYMENT.mlflow_tracking_uri,
+        mlflow_secret=DEPLOYMENT.mlflow_secret,
     )
-    KubernetesPodOperator(
+    JobMasterPodOperator(
         task_id="job_master",
+        deployment=DEPLOYMENT,
         **pod_operator_kwargs(pod),
         get_logs=True,
         do_xcom_push=True,

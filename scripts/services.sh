@@ -2,9 +2,13 @@
 # The local recforge services (make up / make down): Airflow api-server, scheduler and dag-processor, and the
 # MLflow tracking server, each in its own process group with a log in $RECFORGE_HOME/logs/<name>.log and a
 # pid file in $RECFORGE_HOME/run/<name>.pid. Environment: scripts/env.sh.
+# Every service runs with RECFORGE_SERVICES_HOME=$RECFORGE_HOME in its environment, and so does everything it
+# starts (task processes, a job's torchrun and ranks): `down` finds the platform's processes by it, wherever
+# they were re-parented, and returns only when none runs (docs/fault_tolerance.md#shutdown-and-orphans).
 # usage: scripts/services.sh up|down|status
 #   RECFORGE_VENV        venv with airflow and mlflow (default <repo>/.venv)
 #   RECFORGE_UP_TIMEOUT  seconds to wait for the health checks (default 300)
+#   RECFORGE_DOWN_GRACE  seconds down waits after each SIGTERM step before the next one, SIGKILL last (default 30)
 #   RECFORGE_TRIGGERER   1: also run `airflow triggerer`, which deferrable operators need (recforge's DAGs use
 #                        none, so it is off by default); down/status always cover it
 set -euo pipefail
@@ -17,9 +21,13 @@ BIN=$VENV/bin
 LOGS=$RECFORGE_HOME/logs
 RUN=$RECFORGE_HOME/run
 TIMEOUT=${RECFORGE_UP_TIMEOUT:-300}
+GRACE=${RECFORGE_DOWN_GRACE:-30}
+MARK=RECFORGE_SERVICES_HOME   # MARK=$RECFORGE_HOME: in the environment of every process of the platform
+unset "$MARK"                 # this script's own children are not the platform's
 AIRFLOW_URL=http://$AIRFLOW__API__HOST:$AIRFLOW__API__PORT   # the servers this script starts
 MLFLOW_URL=http://$RECFORGE_HOST:$RECFORGE_MLFLOW_PORT
 PASSWORDS=$AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE
+NOTED=()
 SERVICES=(api-server scheduler dag-processor mlflow)
 ALL_SERVICES=(api-server scheduler dag-processor triggerer mlflow)   # what down and status look for
 [[ ${RECFORGE_TRIGGERER:-0} == 1 ]] && SERVICES=(api-server scheduler dag-processor triggerer mlflow)
@@ -49,11 +57,12 @@ address_of() {  # "host port" of a service that listens
 
 pid_of() { [[ -s $RUN/$1.pid ]] && cat "$RUN/$1.pid"; }
 
-# A service runs when its pid file names a live process that still leads its own process group.
+# A service runs when its pid file names a live process (not a zombie) that still leads its own process group.
 running() {
-    local pid
+    local pid pgid stat
     pid=$(pid_of "$1") || return 1
-    kill -0 "$pid" 2>/dev/null && [[ $(ps -o pgid= -p "$pid" | tr -d ' ') == "$pid" ]]
+    read -r pgid stat < <(ps -o pgid=,stat= -p "$pid" 2>/dev/null) || return 1
+    [[ $pgid == "$pid" && $stat != Z* ]]
 }
 
 port_busy() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }  # host port
@@ -74,8 +83,9 @@ start() {
     fi
     command_of "$name"
     printf '\n==== %s start %s\n' "$(date -Is)" "${CMD[*]}" >>"$LOGS/$name.log"
-    # setsid: the service leads a new process group, so down can stop it together with its workers
-    setsid "${CMD[@]}" >>"$LOGS/$name.log" 2>&1 </dev/null &
+    # setsid: the service leads a new process group, so down can stop it together with its workers; the mark is
+    # inherited by everything it starts
+    setsid env "$MARK=$RECFORGE_HOME" "${CMD[@]}" >>"$LOGS/$name.log" 2>&1 </dev/null &
     echo $! >"$RUN/$name.pid"
     say "started $name (pid $!, log $LOGS/$name.log)"
 }
@@ -85,28 +95,59 @@ descendants() {  # every process below pid $1, whatever its process group or ses
         END { for (p in parent) { q = p; while ((q in parent) && q != root && q > 1) q = parent[q]; if (q == root && p != root) print p } }'
 }
 
-alive_any() { local p; for p in "$@"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
+# pid, session and command of every live process of this RECFORGE_HOME's platform: the mark in its environment, or
+# noted in $NOTED (a process that rewrites its title, as Airflow's do, hides its environment); this script's session
+# (the caller's shell) excepted
+platform_ps() {
+    local f n pids=() mysid
+    for n in "${NOTED[@]}"; do [[ $(started "${n%:*}") == "${n#*:}" ]] && pids+=("${n%:*}"); done  # not a reused pid
+    for f in $(grep -lsxzF -- "$MARK=$RECFORGE_HOME" /proc/[0-9]*/environ); do f=${f#/proc/}; pids+=("${f%/environ}"); done
+    ((${#pids[@]})) || return 0
+    mysid=$(ps -o sid= -p $$ | tr -d ' ')
+    ps -o pid=,sid=,stat=,args= -p "$(IFS=,; echo "${pids[*]}")" 2>/dev/null |
+        awk -v me="$mysid" '$2 != me && $3 !~ /^Z/ { $3 = ""; sub(/  /, " "); print substr($0, 1, 200) }' || true
+}
 
-stop() {
-    local name=$1 pid i p tree
-    pid=$(pid_of "$name") || return 0
-    # Task processes and the training workers they launch run in process groups (or sessions) of their own:
-    # note the whole tree now, before its parents exit and the children are re-parented.
-    read -r -a tree <<<"$(descendants "$pid" | tr '\n' ' ')"
-    if kill -0 -- "-$pid" 2>/dev/null || alive_any "${tree[@]}"; then
-        say "stopping $name (process group $pid${tree:+, ${#tree[@]} processes below it})"
-        kill -TERM -- "-$pid" 2>/dev/null || true          # the service shuts its own workers down first
-        for ((i = 0; i < 60; i++)); do kill -0 -- "-$pid" 2>/dev/null || break; sleep 0.5; done
-        for p in "${tree[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-        for ((i = 0; i < 20; i++)); do alive_any "${tree[@]}" || break; sleep 0.5; done
-        if kill -0 -- "-$pid" 2>/dev/null || alive_any "${tree[@]}"; then
-            say "$name did not stop in time: SIGKILL"
-            kill -KILL -- "-$pid" 2>/dev/null || true
-            for p in "${tree[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
-            sleep 1
-        fi
-    fi
-    rm -f "$RUN/$name.pid"
+started() {  # pid -> its start time (clock ticks since boot; field 22 of /proc/<pid>/stat, after the command)
+    local stat
+    stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 0
+    read -r -a stat <<<"${stat##*) }"
+    echo "${stat[19]}"
+}
+
+server_sids() {  # the sessions of the servers (api-server, mlflow): stopped after everything that uses them
+    local name
+    for name in api-server mlflow; do running "$name" && pid_of "$name"; done
+    return 0
+}
+
+# the platform's processes outside the servers' sessions (scheduler side, task processes, jobs, orphans)
+others_ps() { platform_ps | awk -v servers=" $(server_sids | tr '\n' ' ') " 'index(servers, " " $2 " ") == 0'; }
+
+groups_alive() { local name; for name in "$@"; do running "$name" && return 0; done; return 1; }
+nonempty() { [[ -n $("$@") ]]; }
+
+wait_until_gone() {  # seconds, command...: until the command reports nothing (0) or the time is up (1)
+    local end=$((SECONDS + $1)); shift
+    while "$@"; do ((SECONDS < end)) || return 1; sleep 0.5; done
+}
+
+stop_services() {  # names: SIGTERM each running service's process group
+    local name
+    for name in "$@"; do
+        running "$name" || continue
+        say "stopping $name (process group $(pid_of "$name"))"
+        kill -TERM -- "-$(pid_of "$name")" 2>/dev/null || true
+    done
+}
+
+signal_each() {  # signal, "pid sid command" lines: send it to each, saying so
+    local sig=$1 pid cmd
+    while read -r pid _ cmd; do
+        [[ -n $pid ]] || continue
+        say "$sig $pid: $cmd"
+        kill "-$sig" "$pid" 2>/dev/null || true
+    done <<<"$2"
 }
 
 airflow_healthy() {  # api-server answers and reports the scheduler and the dag-processor healthy
@@ -176,10 +217,42 @@ recforge services are up
 EOF
 }
 
+# down: the scheduler side first (its executor passes SIGTERM on to the task processes, which stop their training
+# jobs: torchrun and ranks, relaunching nothing), then whatever of the platform still runs outside the servers
+# (task processes and jobs in sessions of their own, orphans of a killed task), then the api-server and MLflow;
+# GRACE seconds after each SIGTERM step, then SIGKILL for what is left. Exit 0 only when nothing of the platform runs.
 down() {
-    local i
-    for ((i = ${#ALL_SERVICES[@]} - 1; i >= 0; i--)); do stop "${ALL_SERVICES[i]}"; done
-    say "stopped"
+    local name pid left below t0=$SECONDS
+    NOTED=()   # the services and everything below them now, whatever their environment says
+    for name in "${ALL_SERVICES[@]}"; do
+        running "$name" || continue
+        pid=$(pid_of "$name")
+        read -r -a below <<<"$(descendants "$pid" | tr '\n' ' ')"
+        for pid in "$pid" "${below[@]}"; do NOTED+=("$pid:$(started "$pid")"); done
+    done
+    stop_services scheduler dag-processor triggerer
+    wait_until_gone "$GRACE" groups_alive scheduler dag-processor triggerer || say "scheduler side still running after ${GRACE}s"
+    left=$(others_ps)
+    if [[ -n $left ]]; then
+        say "still running after the scheduler stopped:"
+        signal_each TERM "$left"
+        wait_until_gone "$GRACE" nonempty others_ps || true
+    fi
+    stop_services api-server mlflow
+    wait_until_gone "$GRACE" nonempty platform_ps || true
+    left=$(platform_ps)
+    if [[ -n $left ]]; then
+        say "did not stop within ${GRACE}s of SIGTERM:"
+        signal_each KILL "$left"
+        wait_until_gone 10 nonempty platform_ps || true
+    fi
+    for name in "${ALL_SERVICES[@]}"; do running "$name" || rm -f "$RUN/$name.pid"; done
+    left=$(platform_ps)
+    if [[ -n $left ]]; then
+        printf '[services] error: still running after SIGKILL:\n%s\n' "$left" >&2
+        return 1
+    fi
+    say "stopped: nothing of the platform runs (took $((SECONDS - t0))s)"
 }
 
 status() {

@@ -13,11 +13,23 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from recforge.config import PipelineConfig
 from recforge.pipelines.context import EXPERIMENT, RunContext
+from recforge.pipelines.dag_tasks import stage_timeout
 from recforge.pipelines.runner import STAGES
 from recforge.pipelines.summary import summarize
 from recforge.settings import apply_embedded_env
 
 DAG_ID = "recforge_daily"
+MIGRATE_TIMEOUT_S = 600.0  # `airflow db migrate` of the embedded SQLite database
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=grace_s)
 
 
 def _airflow(*args: str, log: Path, env: dict) -> subprocess.Popen:
@@ -46,12 +58,20 @@ def run_demo(rows_per_day: int, workers: int, epochs: int, console: Console) -> 
     env = dict(os.environ)
 
     with console.status("preparing the Airflow metadata database (airflow db migrate)"):
-        if _airflow("db", "migrate", log=log, env=env).wait() != 0:
+        migrate = _airflow("db", "migrate", log=log, env=env)
+        try:
+            code = migrate.wait(timeout=MIGRATE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _stop(migrate)
+            raise RuntimeError(f"airflow db migrate did not finish within {MIGRATE_TIMEOUT_S:.0f}s and was stopped; "
+                               f"see {log}:\n{_tail(log)}") from None
+        if code != 0:
             raise RuntimeError(f"airflow db migrate failed; see {log}:\n{_tail(log)}")
 
     conf = {"rows_per_day": rows_per_day, "workers": workers, "epochs": epochs}
     start = time.time()
     proc = _airflow("dags", "test", DAG_ID, "-c", json.dumps(conf), log=log, env=env)
+    limit_s = sum(stage_timeout(s).total_seconds() for s in STAGES)  # each task is bounded by its own too
     runs = home / "runs" / EXPERIMENT
     run_dir = None
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
@@ -63,6 +83,10 @@ def run_demo(rows_per_day: int, workers: int, epochs: int, console: Console) -> 
                 done = [s for s in STAGES if (run_dir / s / "outputs.json").exists()]
                 pending = next((s for s in STAGES if s not in done), "finishing")
                 bar.update(task, completed=len(done), description=f"{DAG_ID}: {pending}")
+            if time.time() - start > limit_s:
+                _stop(proc)
+                raise RuntimeError(f"the {DAG_ID} run did not finish within {limit_s:.0f}s (its tasks' "
+                                   f"execution_timeout together) and was stopped; see {log}:\n{_tail(log)}")
             time.sleep(1.0)
         run_dir = run_dir or _newest_run_dir(runs, start)
         if run_dir is not None:

@@ -18,7 +18,8 @@ def _alive(pid: int) -> bool:
 @pytest.fixture(scope="session")
 def live(tmp_path_factory) -> LiveServices:
     home = tmp_path_factory.mktemp("live") / "home"
-    svc = start(home, RECFORGE_RETRY_DELAY_S="3")  # a retried task (test_train_retry_resumes) starts at once
+    # a retried task (test_train_retry_resumes) starts soon, yet after the scheduler restart that test does meanwhile
+    svc = start(home, RECFORGE_RETRY_DELAY_S="12")
     pids = {p.stem: int(p.read_text()) for p in (home / "run").glob("*.pid")}
     try:
         svc.wait_for_dag()

@@ -11,6 +11,7 @@ import pytest
 
 from e2e_services import DAG_ID, TINY
 from recforge.pipelines.context import run_key_from
+from recforge.pipelines.outputs import STAGE_OUTPUTS
 
 pytestmark = pytest.mark.slow
 
@@ -96,6 +97,13 @@ def test_triggered_run_is_tracked_registered_and_aliased_in_mlflow(live):
         assert tags["mlflow.parentRunId"] == parent["info"]["run_id"], stage
     metrics = {m["key"]: m["value"] for m in by_stage["evaluate"][0]["data"]["metrics"]}
     assert 0.5 < metrics["auc"] <= metrics["auc_ceiling"] + 0.02
+    # the workers logged windowed training quality every log_every steps
+    train_metrics = {m["key"] for m in by_stage["train"][0]["data"]["metrics"]}
+    assert {"train_auc", "train_logloss", "train_ne", "train_loss", "samples_per_s"} <= train_metrics
+    # every stage recorded outputs that read back as its typed model
+    run_dir = live.home / "runs" / DAG_ID / key
+    for stage, model in STAGE_OUTPUTS.items():
+        model.model_validate_json((run_dir / stage / "outputs.json").read_text())
 
     publish_run = by_stage["publish"][0]["info"]["run_id"]
     versions = live.mlflow("GET", "model-versions/search", params={

@@ -133,10 +133,11 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(world1, tmp_pa
     torch.testing.assert_close(_predict(fresh), at_step_1)
 
 
-def test_flash_fast_path_snapshot_loads_like_a_dcp_checkpoint(world1, tmp_path):
+def test_flash_fast_path_snapshot_loads_like_a_dcp_checkpoint(world1, tmp_path, caplog):
     """The second snapshot is written without DCP (bytes copied into the first one's layout); it must
-    load through the DCP reader into exactly the state it was taken from, optimizer included."""
-    from recforge.train.recovery.flash import FlashSnapshotter
+    load through the DCP reader into exactly the state it was taken from, optimizer included. Once another user
+    could write the directory, nothing in it is loaded (DCP unpickles) and no snapshot goes there."""
+    from recforge.train.recovery.flash import FlashSnapshotter, private_flash_root
     from recforge.train.recovery.resume import load_latest, memory_problem
 
     sm = _build(1)
@@ -159,6 +160,13 @@ def test_flash_fast_path_snapshot_loads_like_a_dcp_checkpoint(world1, tmp_path):
     torch.testing.assert_close(_predict(fresh), after_3, rtol=1e-5, atol=1e-6)
     snap.save(fresh.model, fresh.optimizer, 3, {"step": 3, "world_size": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000002", "step-000000003"]  # older dropped
+
+    os.chmod(tmp_path, 0o770)
+    with caplog.at_level(logging.WARNING):
+        assert load_latest(fresh.model, fresh.optimizer, rank=0, disk_root=None, memory_root=tmp_path) is None
+        assert private_flash_root(tmp_path, rank=0) is None  # the checkpointer saves to disk instead
+    assert f"refusing flash checkpoint directory {tmp_path}: it is writable by group or others (mode 0770); " \
+           f"loading from the disk checkpoints only" in caplog.text
 
 
 def test_no_checkpoint_means_initial_weights(world1, tmp_path):
@@ -243,3 +251,61 @@ def test_step_checkpoint_of_another_plan_is_skipped_for_the_previous_one(world1,
     # without a fingerprint to check against (a caller that does not know its plan), integrity alone decides
     fresh = _build(1)
     assert load_latest(fresh.model, fresh.optimizer, rank=0, disk_root=tmp_path, memory_root=None).step == 2
+
+
+def test_nan_bytes_in_a_tensor_region_are_caught_by_the_checksum_and_not_loaded(world1, tmp_path, caplog):
+    """One tensor's stored bytes overwritten with NaN (the file still parses, same size): the checksum names the
+    file, the resume falls back to the previous checkpoint, the final-checkpoint loader refuses it."""
+    from recforge.pipelines.faults import corrupt_nan_region
+    from recforge.train.recovery.layout import CheckpointCorrupt, verify_checkpoint
+    from recforge.train.recovery.resume import load_latest, save_disk
+
+    sm = _build(1)
+    _step(sm, 0, 1, 0)
+    save_disk(sm.model, sm.optimizer, tmp_path, 1, rank=0, meta={"step": 1, "world_size": 1}, keep=2)
+    at_step_1 = _predict(sm)
+    _step(sm, 0, 1, 1)
+    newest = save_disk(sm.model, sm.optimizer, tmp_path, 2, rank=0, meta={"step": 2, "world_size": 1}, keep=2)
+    size_before = {p.name: p.stat().st_size for p in newest.iterdir()}
+    region = corrupt_nan_region(newest)
+    assert region.length >= 4 and {p.name: p.stat().st_size for p in newest.iterdir()} == size_before
+    with pytest.raises(CheckpointCorrupt, match=f"{region.file.name} sha256 mismatch; refusing to load it"):
+        verify_checkpoint(newest)
+
+    fresh = _build(1)
+    with caplog.at_level(logging.WARNING, logger="recforge.train.recovery.resume"):
+        restored = load_latest(fresh.model, fresh.optimizer, rank=0, disk_root=tmp_path, memory_root=None)
+    assert restored.step == 1 and restored.skipped == [(str(newest), f"{region.file.name} sha256 mismatch")]
+    torch.testing.assert_close(_predict(fresh), at_step_1)  # finite: the NaN bytes were never loaded
+
+
+def test_a_full_checkpoint_directory_fails_the_save_clearly_and_leaves_nothing_loadable(world1, tmp_path):
+    """The step checkpoints on a tmpfs with room for one: the second save fails with ENOSPC naming the file;
+    no half-written checkpoint is ever a candidate, the resume loads the complete one."""
+    from recforge.pipelines.faults import SpaceLimitUnavailable, small_filesystem
+    from recforge.train.recovery.layout import candidates, disk_problem
+    from recforge.train.recovery.resume import CheckpointSaveError, load_latest, save_disk
+
+    sm = _build(1)
+    probe = save_disk(sm.model, sm.optimizer, tmp_path / "probe", 1, rank=0, meta={"step": 1, "world_size": 1},
+                      keep=2)
+    one = sum(p.stat().st_size for p in probe.iterdir())
+    try:
+        with small_filesystem(tmp_path / "full", one * 3 // 2 + 65536) as root:
+            _step(sm, 0, 1, 0)
+            save_disk(sm.model, sm.optimizer, root, 1, rank=0, meta={"step": 1, "world_size": 1}, keep=2)
+            at_step_1 = _predict(sm)
+            _step(sm, 0, 1, 1)
+            with pytest.raises(CheckpointSaveError) as err:
+                save_disk(sm.model, sm.optimizer, root, 2, rank=0, meta={"step": 2, "world_size": 1}, keep=2)
+            assert (f"step checkpoint {root / 'step-000000002'} could not be written (rank 0: OSError: [Errno 28] "
+                    f"No space left on device") in str(err.value) and "partial save was removed" in str(err.value)
+            assert sorted(p.name for p in root.iterdir()) == ["step-000000001"]  # the .tmp is gone
+            assert [c.path.name for c in candidates(root, None)] == ["step-000000001"]
+            assert disk_problem(root / "step-000000001") is None
+            fresh = _build(1)
+            restored = load_latest(fresh.model, fresh.optimizer, rank=0, disk_root=root, memory_root=None)
+            assert restored.step == 1 and restored.skipped == []
+            torch.testing.assert_close(_predict(fresh), at_step_1)
+    except SpaceLimitUnavailable as e:
+        pytest.skip(f"no size-limited directory here: {e}")

@@ -8,21 +8,21 @@ than once are only those a failed group trained after the checkpoint that was re
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from recforge.pipelines.faults import read_state
+
 pytestmark = pytest.mark.slow
 
-ROWS = 16_000
-BATCH = 256
+# 6,000 rows at 2 x 96 per step: 16 tasks of 384 rows, ~32 steps an epoch (the step and task thresholds below)
+ROWS = 6_000
+BATCH = 96
 LOG_EVERY = 5
+HANG_S = 30.0  # long enough for an OOM'd group to exit on a loaded machine (else it counts as a hang)
 CKPT_EVERY = 10
 
 
@@ -36,8 +36,8 @@ def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("fault_data")
     ds = dataset_preset("criteo_kaggle")
     generate_days(ds, root / "raw", days=2, rows_per_day=ROWS, seed=7)
-    ingest([root / "raw" / "day_0.tsv"], ds, root / "train", rows_per_shard=4000, max_bad_fraction=0.01)
-    ingest([root / "raw" / "day_1.tsv"], ds, root / "holdout", rows_per_shard=8000, max_bad_fraction=0.01)
+    ingest([root / "raw" / "day_0.tsv"], ds, root / "train", rows_per_shard=ROWS // 4, max_bad_fraction=0.01)
+    ingest([root / "raw" / "day_1.tsv"], ds, root / "holdout", rows_per_shard=ROWS, max_bad_fraction=0.01)
     plan = criteo_plan(ds, 5000)
     plan.save(root / "plan.json")
     model = ModelConfig(embedding_dim=8, dense_arch=[32, 8], over_arch=[32, 1])
@@ -70,7 +70,7 @@ def run_job(data, run: Path, *, workers=2, max_restarts=0, faults=None, resume=F
     shard_rows = [s.rows for s in Manifest.load(data["root"] / "train").shards]
     return run_training_job(spec_for(data, run, spec_extra, **(recovery or {})), shard_rows, resources=res,
                             state_dir=run / "job", policy=StaticPolicy(res, cpu_count=2), backend=backend,
-                            resume=resume, timeout_s=400, poll_s=0.2, **kw)
+                            resume=resume, timeout_s=300, poll_s=0.2, **kw)
 
 
 def worker_result(run: Path) -> dict:
@@ -120,42 +120,18 @@ def test_uninterrupted_run_trains_every_row_exactly_once(data, reference):
     assert reference["auc"] > 0.6
 
 
-def _pid_of(state_file: Path, rank: int, min_done: int) -> int | None:
-    try:
-        d = json.loads(state_file.read_text())
-    except (OSError, ValueError):
-        return None
-    done = sum(1 for r in d["queue"]["records"] if r["state"] == "done")
-    workers = [w for w in d["workers"] if w.startswith(f"rank{rank}-")]
-    if done < min_done or not workers:
-        return None
-    return int(workers[-1].split("-")[1])
+def _kill_rank1_when(state_file: Path, min_done: int):
+    """SIGKILL rank 1's worker once the master has `min_done` tasks done (recforge.pipelines.faults.SignalAt)."""
+    from recforge.pipelines.faults import SignalAt
 
-
-def _kill_rank1_when(state_file: Path, min_done: int) -> tuple[threading.Thread, dict]:
-    """A thread that SIGKILLs rank 1's worker once the master has `min_done` tasks done; `killed` gets its pid."""
-    killed: dict = {}
-
-    def killer():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            pid = _pid_of(state_file, rank=1, min_done=min_done)
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-                killed["pid"] = pid
-                return
-            time.sleep(0.05)
-
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
-    return t, killed
+    return SignalAt(state_file, signal.SIGKILL, rank=1, min_done=min_done, timeout_s=240).start()
 
 
 def test_sigkill_of_one_worker_mid_epoch_resumes_from_the_flash_checkpoint(data, reference, tmp_path):
-    t, killed = _kill_rank1_when(tmp_path / "job" / "master_state.json", min_done=7)
+    killer = _kill_rank1_when(tmp_path / "job" / "master_state.json", min_done=7)
     result = run_job(data, tmp_path, max_restarts=2, recovery={"flash": True})
-    t.join(timeout=5)
-    assert killed, "the worker was never killed"
+    killer.join()
+    assert killer.pid is not None, killer.error
     assert result.finished and result.restarts == 1
     assert [x["outcome"] for x in result.attempts] == ["failed", "finished"]
     assert result.attempts[0]["failure"].startswith("killed")
@@ -174,66 +150,41 @@ def test_sigkill_of_one_worker_mid_epoch_resumes_from_the_flash_checkpoint(data,
     assert abs(got - reference["auc"]) <= 0.01
 
 
-def _master_cmd(data, state_file: Path, port: int, url_file: Path) -> list[str]:
-    return [sys.executable, "-m", "recforge.elastic.master.main", "--manifest", str(data["root"] / "train"),
-            "--rows-per-task", str(BATCH * 4), "--state-file", str(state_file), "--port", str(port),
-            "--lease-timeout-s", "600", "--url-file", str(url_file)]
-
-
-def _wait_file(path: Path, timeout: float = 60.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return path.read_text()
-        time.sleep(0.05)
-    raise TimeoutError(f"{path} never appeared")
-
-
 def test_killed_master_restarts_from_its_persisted_state(data, tmp_path):
     """The master runs as its own process; SIGKILL it mid-epoch, start it again on the same port:
     the workers retry their calls and the job finishes with every row exactly once."""
-    from recforge.elastic.agent.client import MasterClient
-    from recforge.elastic.backends.local import LocalBackend, free_port
+    from recforge.elastic.backends.local import LocalBackend
     from recforge.elastic.policy import ResourcePlan
+    from recforge.pipelines.faults import MasterProcess, wait_for, worker_pid
     from recforge.train.spec import WorkerSpec
 
-    port, state_file = free_port(), tmp_path / "master" / "state.json"
-    logs = [open(tmp_path / f"master-{i}.log", "wb") for i in range(2)]
-    master = subprocess.Popen(_master_cmd(data, state_file, port, tmp_path / "url1"), stdout=logs[0],
-                              stderr=subprocess.STDOUT)
-    restarted = None
+    state_file = tmp_path / "master" / "state.json"
+    master = MasterProcess(data["root"] / "train", BATCH * 4, state_file, tmp_path / "master")
     try:
-        url = _wait_file(tmp_path / "url1")
+        url = master.start()
         spec = spec_for(data, tmp_path)
-        spec.update(master_url=url, threads_per_worker=1)
+        spec.update(master_url=url, threads_per_worker=1, master_token_file=str(master.token_file))
         spec_path = WorkerSpec.model_validate(spec).save(tmp_path / "spec.json")
         backend = LocalBackend(max_restarts=0, log_dir=tmp_path / "job")
         handle = backend.launch(spec_path, ResourcePlan(workers=2, threads_per_worker=1))
         try:
-            deadline = time.monotonic() + 300
-            while _pid_of(state_file, rank=0, min_done=6) is None:
-                assert time.monotonic() < deadline and handle.proc.poll() is None, backend.log_tail(handle)
-                time.sleep(0.05)
-            master.send_signal(signal.SIGKILL)
-            master.wait()
+            def midway() -> bool:
+                assert handle.proc.poll() is None, backend.log_tail(handle)
+                return worker_pid(state_file, rank=0, min_done=6) is not None
+
+            wait_for("6 tasks done", midway, timeout_s=240)
+            master.kill()
             time.sleep(1.0)  # the workers' calls fail and back off meanwhile
-            restarted = subprocess.Popen(_master_cmd(data, state_file, port, tmp_path / "url2"), stdout=logs[1],
-                                         stderr=subprocess.STDOUT)
-            assert _wait_file(tmp_path / "url2") == url
-            code = backend.wait(handle, timeout=300, check=False)
+            assert master.start() == url
+            code = backend.wait(handle, timeout=240, check=False)
             assert code == 0, backend.log_tail(handle)
         finally:
             backend.stop(handle)
-        state = MasterClient(url, "observer").epoch_state()
+        state = master.client().epoch_state()
     finally:
-        for p in (master, restarted):
-            if p is not None and p.poll() is None:
-                p.terminate()
-                p.wait(timeout=30)
-        for f in logs:
-            f.close()
+        master.stop()
     assert state["finished"] and state["rows_done_total"] == ROWS
-    assert "job master resumed from" in (tmp_path / "master-1.log").read_text()
+    assert "job master resumed from" in master.log_text(1)
     a = check_guarantee(data, tmp_path)
     assert sum(a.trained.values()) == ROWS  # no worker failed: nothing was trained twice
     assert worker_result(tmp_path)["samples_per_epoch"] == [ROWS]
@@ -252,7 +203,7 @@ def test_repeated_kills_exhaust_the_budget_then_a_resume_skips_a_corrupt_checkpo
     steps = tmp_path / "ckpt.steps"
     assert sorted(p.name for p in steps.iterdir()) == [step_name(10), step_name(20)]  # partial progress intact
     assert all(disk_problem(p) is None for p in steps.iterdir())
-    saved = json.loads((tmp_path / "job" / "master_state.json").read_text())
+    saved = read_state(tmp_path / "job" / "master_state.json")
     assert saved["queue"]["epoch"] == 0 and any(r["state"] == "done" for r in saved["queue"]["records"])
 
     victim = steps / step_name(20) / "__1_0.distcp"
@@ -284,18 +235,23 @@ def test_deterministic_error_is_not_relaunched(data, tmp_path):
 
 
 def test_out_of_memory_then_a_hang_are_both_recovered(data, reference, tmp_path):
-    """Generation 0 runs out of memory at a per-rank batch of 256: relaunched with 2 x 128 (same global
-    batch). Generation 1's rank 1 then hangs: no progress for 10 s, the group is killed and relaunched."""
+    """Generation 0 runs out of memory at a per-rank batch of 96: relaunched with 2 x 48 (same global
+    batch). Generation 1's rank 1 is then stopped (SIGSTOP) after its step-10 checkpoint: no progress for HANG_S,
+    the group is killed and relaunched."""
     from recforge.elastic.master.failover import FailoverPolicy
+    from recforge.pipelines.faults import SignalAt
 
-    faults = [{"kind": "oom", "at_step": 5, "min_batch": BATCH // 2},
-              {"kind": "hang", "at_step": 15, "rank": 1, "generation": 1}]
+    faults = [{"kind": "oom", "at_step": 5, "min_batch": BATCH // 2}]
+    stopper = SignalAt(tmp_path / "job" / "master_state.json", signal.SIGSTOP, rank=1, min_done=8,
+                       min_generation=1, timeout_s=240).start()
     result = run_job(data, tmp_path, max_restarts=2, faults=faults,
-                     failover=FailoverPolicy(max_relaunches=2, hang_timeout_s=10.0))
+                     failover=FailoverPolicy(max_relaunches=2, hang_timeout_s=HANG_S))
+    stopper.join()
+    assert stopper.pid is not None, stopper.error
     assert result.finished and result.grad_accumulation == 2 and result.restarts == 2
     assert [x["outcome"] for x in result.attempts] == ["failed", "failed", "finished"]
     oom, hang = result.attempts[0], result.attempts[1]
-    assert oom["failure"].startswith("oom") and "per-rank batch 128 x 2" in oom["decision"]
+    assert oom["failure"].startswith("oom") and f"per-rank batch {BATCH // 2} x 2" in oom["decision"]
     assert hang["failure"].startswith("hang") and "no training progress" in hang["decision"]
     assert [x["grad_accumulation"] for x in result.attempts] == [1, 2, 2]
     w = worker_result(tmp_path)
@@ -356,11 +312,11 @@ def _mapped_spec(data, tmp_path) -> dict:
 def test_rap_mapped_corun_resumes_after_a_sigkill(data, reference, tmp_path):
     """RAP's mapping (ranks lease tasks in turns, each preprocesses the global batch of its tables, no input
     all-to-all) survives a killed worker: lineage exactly once, the model as good as the reference."""
-    t, killed = _kill_rank1_when(tmp_path / "job" / "master_state.json", min_done=4)
+    killer = _kill_rank1_when(tmp_path / "job" / "master_state.json", min_done=4)
     result = run_job(data, tmp_path, max_restarts=2, spec_extra=_mapped_spec(data, tmp_path),
                      rows_per_task=2 * BATCH * 4)
-    t.join(timeout=5)
-    assert killed, "the worker was never killed"
+    killer.join()
+    assert killer.pid is not None, killer.error
     assert result.finished and [x["outcome"] for x in result.attempts] == ["failed", "finished"]
     w = worker_result(tmp_path)
     assert w["generation"] == 1 and w["samples_per_epoch"] == [ROWS] and w["resumed_from"] is not None
@@ -368,7 +324,7 @@ def test_rap_mapped_corun_resumes_after_a_sigkill(data, reference, tmp_path):
     assert mapped["input_all_to_all_used"] is False and mapped["schedules"].keys() == {"global", "local"}
     a = check_guarantee(data, tmp_path, max_redone_steps=CKPT_EVERY + LOG_EVERY + 1)
     assert a.chain == [1, 0]
-    state = json.loads((tmp_path / "job" / "master_state.json").read_text())
+    state = read_state(tmp_path / "job" / "master_state.json")
     reported = {w_id.split("-")[0] for w_id, st in state["workers"].items() if st["tasks_done"]}
     assert reported == {"rank0", "rank1"}  # both ranks lease and report (DLRover compares their rates)
     got = auc(data, tmp_path)

@@ -30,8 +30,9 @@ OWNER = {"apiVersion": "v1", "kind": "Pod", "name": "job-master-0", "uid": "0e9d
 def serve(url_file: str) -> None:
     """The emulator process: kmock's KubernetesEmulator on 127.0.0.1, any free port."""
     import asyncio
+    import uuid
 
-    from kmock._internal import apps, k8s, parsing
+    from kmock._internal import apps, enums, k8s, parsing
 
     guess = parsing.guess_k8s
 
@@ -42,11 +43,20 @@ def serve(url_file: str) -> None:
         return guess(path, method, q)
 
     parsing.guess_k8s = guess_k8s
+    handle = k8s.KubernetesEmulator._handle
+
+    async def handle_with_uid(self, request):  # an API server gives every new object a uid (owner references use it)
+        if request.resource is not None and request.action == enums.action.CREATE and isinstance(request.data, dict):
+            request.data.setdefault("metadata", {}).setdefault("uid", str(uuid.uuid4()))
+        return await handle(self, request)
+
+    k8s.KubernetesEmulator._handle = handle_with_uid
 
     async def main() -> None:
         async with k8s.KubernetesEmulator() as emulator, apps.Server(emulator) as server:
             emulator.resources["v1/pods"].kind = "Pod"  # served even while no object of the kind exists
             emulator.resources["v1/services"].kind = "Service"
+            emulator.resources["v1/secrets"].kind = "Secret"
             tmp = Path(url_file + ".tmp")
             tmp.write_text(str(server.url))
             tmp.replace(url_file)
@@ -222,7 +232,11 @@ def test_backend_creates_watches_fails_relaunches_and_cleans_up(api, tmp_path):
         h3 = backend.launch(spec, ResourcePlan(workers=1, threads_per_worker=1))
         (p,) = pods_of(api, "t1")
         assert p.spec.containers[0].resources.requests["memory"] == "1536Mi"
-        assert backend.wait(h3, timeout=1.5) is None  # still running
+        assert backend.wait(h3, timeout=1.5) is None  # still running: an explicit timeout is a poll
+        backend.wait_timeout_s = 1.0  # no timeout given: the backend's own, which fails naming what it waited for
+        with pytest.raises(TimeoutError, match=r"worker pods \['t1-worker-0-l2'\] of launch 2 in namespace "
+                                               r"recforge-test did not finish within 1 s \(phases .*Running"):
+            backend.wait(h3)
         backend.cleanup()
         assert pods_of(api, "t1") == [] and services_of(api, "t1") == []
         assert backend.wait(h3, timeout=5, check=False) == -1  # its pod was deleted under it
@@ -250,8 +264,10 @@ def test_run_training_job_on_kubernetes_relaunches_a_failed_pod(api, tmp_path):
         spec = json.loads(Path(pod.spec.containers[0].args[-1]).read_text())
         launch = int(pod.metadata.labels["recforge.io/launch"])
         index = int(pod.metadata.labels["recforge.io/worker-index"])
+        # the job's token, from the file the spec names (in a pod: the mounted Secret; here: the state directory)
+        token = {"token": Path(spec["master_token_file"]).read_text().strip()} if spec.get("master_token_file") else {}
         c = MasterClient(spec["master_url"], f"{pod.metadata.name}", generation=spec["recovery"]["generation_base"],
-                         max_attempts=2, poll_interval_s=0.02)
+                         max_attempts=2, poll_interval_s=0.02, **token)
         c.join()
         leases = 0
         while not c.finished:
@@ -287,3 +303,92 @@ def test_run_training_job_on_kubernetes_relaunches_a_failed_pod(api, tmp_path):
     assert result.master_state["rows_done_total"] == 2 * sum(shards)
     assert {n.rsplit("-", 1)[-1] for n in kubelet.seen} == {"l0", "l1"}
     assert pods_of(api, "t2") == [] and services_of(api, "t2") == []  # cleaned up on completion
+
+
+# The DAG's operator against the emulator: what it creates for an allow-listed image (the master pod, then the job's
+# token Secret owned by that pod) and what it creates for any other image (nothing). Airflow runs in a subprocess.
+OPERATOR = """
+import importlib.util, json, sys, types
+spec = importlib.util.spec_from_file_location("recforge_train_k8s", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+out = {}
+for case, image in json.loads(sys.argv[3]).items():
+    dag = module.recforge_train_k8s()
+    (task,) = dag.tasks
+    task.config_file, task.in_cluster = sys.argv[2], False
+    params = {**{k: dag.params[k] for k in dag.params}, "image": image}
+    task.render_template_fields({"params": params}, jinja_env=dag.get_template_env())
+    ti = types.SimpleNamespace(dag_id=dag.dag_id, task_id=task.task_id, try_number=1, map_index=-1)
+    context = {"ti": ti, "run_id": "manual__1", "dag": dag, "params": params}
+    try:
+        if case == "refused":
+            task.execute(context)  # the whole task: it must fail before it creates anything
+        else:  # up to the pod and its Secret (no kubelet runs the pod here)
+            request = task.build_pod_request_obj(context)
+            pod = task.get_or_create_pod(request, context)
+            out[case] = {"pod": pod.metadata.name}
+    except Exception as e:
+        out[case] = {"error": f"{type(e).__name__}: {e}"}
+print(json.dumps(out))
+"""
+
+
+def test_the_dag_operator_creates_the_token_secret_owned_by_its_pod_and_refuses_other_images(api, tmp_path):
+    import base64
+
+    import yaml
+    from kubernetes import client
+
+    core = client.CoreV1Api(api)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+        "clusters": [{"name": "kmock", "cluster": {"server": api.configuration.host}}],
+        "users": [{"name": "kmock", "user": {}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": NS}}],
+    }))
+    allowed = "registry.example.com/recforge:0.3.0"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW", "KUBECONFIG"))}
+    env.update(AIRFLOW_HOME=str(tmp_path / "af"), AIRFLOW__CORE__LOAD_EXAMPLES="False",
+               RECFORGE_HOME=str(tmp_path / "home"), RECFORGE_K8S_NAMESPACE=NS,
+               RECFORGE_K8S_IMAGES=f"registry.example.com/recforge:0.2.0,{allowed}")
+    before = {p.metadata.name for p in core.list_namespaced_pod(NS).items}
+
+    refused = subprocess.run([sys.executable, "-c", OPERATOR, str(REPO / "dags" / "recforge_train_k8s.py"),
+                              str(kubeconfig), json.dumps({"refused": "docker.io/evil/miner:1"})],
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 0, refused.stderr[-3000:]
+    err = json.loads(refused.stdout.strip().splitlines()[-1])["refused"]["error"]
+    assert err.startswith("AirflowFailException: refused to start the job master pod: image 'docker.io/evil/miner:1' "
+                          "is not allow-listed"), err
+    assert {p.metadata.name for p in core.list_namespaced_pod(NS).items} == before
+    assert core.list_namespaced_secret(NS).items == []
+
+    ok = subprocess.run([sys.executable, "-c", OPERATOR, str(REPO / "dags" / "recforge_train_k8s.py"),
+                         str(kubeconfig), json.dumps({"allowed": allowed})],
+                        env=env, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    got = json.loads(ok.stdout.strip().splitlines()[-1])["allowed"]
+    assert "pod" in got, got
+    name = got["pod"]
+    pod = core.read_namespaced_pod(name, NS)
+    assert pod.spec.containers[0].image == allowed and pod.spec.service_account_name == "recforge-job-master"
+    (secret,) = core.list_namespaced_secret(NS).items
+    assert secret.metadata.name == f"{name}-token"
+    (ref,) = secret.metadata.owner_references
+    assert (ref.kind, ref.name, ref.uid, ref.controller) == ("Pod", name, pod.metadata.uid, True)
+    (vol,) = [v for v in pod.spec.volumes if v.secret is not None]
+    assert vol.secret.secret_name == secret.metadata.name and vol.secret.default_mode == 0o440
+    (mount,) = [m for m in pod.spec.containers[0].volume_mounts if m.name == vol.name]
+    assert mount.read_only and mount.mount_path == "/var/run/secrets/recforge/master-token"
+    env_of = {e.name: e.value for e in pod.spec.containers[0].env}
+    assert env_of["RECFORGE_MASTER_TOKEN_SECRET"] == secret.metadata.name
+    data = secret.data or {k: base64.b64encode(v.encode()).decode() for k, v in (secret.string_data or {}).items()}
+    token = base64.b64decode(data["token"]).decode()
+    assert len(token) >= 40  # secrets.token_urlsafe(32)
+    # the token is in the Secret only: not in the pod spec, nor in anything the task printed or logged
+    assert token not in json.dumps(client.ApiClient().sanitize_for_serialization(pod))
+    assert token not in ok.stdout + ok.stderr
+    core.delete_namespaced_pod(name, NS)
+    core.delete_namespaced_secret(secret.metadata.name, NS)  # (the emulator has no garbage collector)

@@ -23,19 +23,25 @@ def test_k8s_dag_parses_and_runs_the_job_master_in_a_pod(tmp_path):
         "  'type': type(t).__module__ + '.' + type(t).__name__, 'base': t.base_container_name,\n"
         "  'container': c['name'], 'args': c['args'], 'image': c['image'], 'sa': spec['serviceAccountName'],\n"
         "  'env': sorted(e['name'] for e in c['env']), 'schedule': str(dag.schedule),\n"
-        "  'volumes': [v['persistentVolumeClaim']['claimName'] for v in spec['volumes']],\n"
+        "  'volumes': [v['persistentVolumeClaim']['claimName'] for v in spec['volumes']\n"
+        "              if 'persistentVolumeClaim' in v],\n"
+        "  'secrets': [v['secret']['secretName'] for v in spec['volumes'] if 'secret' in v],\n"
         "  'params': sorted(dag.params.keys())}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path), capture_output=True, text=True, check=True)
     info = json.loads(out.stdout.strip().splitlines()[-1])
     assert info["errors"] == {} and info["heavy"] == []
-    assert info["type"] == "airflow.providers.cncf.kubernetes.operators.pod.KubernetesPodOperator"
+    assert info["type"] == "recforge.pipelines.k8s_operator.JobMasterPodOperator"  # a KubernetesPodOperator
     # the pod is k8s_manifests.master_pod (tests/unit/test_k8s_job_pod.py compares the rendered pod), as its template
     assert info["base"] == info["container"] == "master" and info["image"] == "{{ params.image }}"
     assert info["args"] == ["python", "-m", "recforge.elastic.job_main", "{{ params.job_json }}"]
     assert info["sa"] == "recforge-job-master" and info["volumes"] == ["recforge-data"]
+    # the token Secret (renamed for the pod's final name when the operator builds the pod)
+    assert info["secrets"] == ["recforge-job-master-token"] and "RECFORGE_MASTER_TOKEN_FILE" in info["env"]
     assert {"POD_NAME", "POD_UID", "POD_IP", "POD_NAMESPACE", "RECFORGE_IMAGE"} <= set(info["env"])
-    assert info["schedule"] == "None" and {"job_json", "image", "namespace"} <= set(info["params"])
+    # the namespace is the deployment's, not a Param; the image a Param restricted to the allow-list
+    assert info["schedule"] == "None" and {"job_json", "image"} <= set(info["params"])
+    assert "namespace" not in info["params"]
 
 
 def test_training_job_document_is_validated(tmp_path):

@@ -34,7 +34,8 @@ class Ranks:
         self.memory[pod.metadata.labels["recforge.io/launch"]] = pod.spec.containers[0].resources.requests["memory"]
         spec = json.loads(Path(pod.spec.containers[0].args[-1]).read_text())
         c = MasterClient(spec["master_url"], pod.metadata.name, generation=spec["recovery"]["generation_base"],
-                         max_attempts=2, poll_interval_s=0.02)
+                         max_attempts=2, poll_interval_s=0.02,
+                         token=Path(spec["master_token_file"]).read_text().strip())
         c.join()
         while not c.finished:
             if c.command()["command"] == "stop":

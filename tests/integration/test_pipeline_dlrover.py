@@ -2,7 +2,7 @@
 real TorchRec workers train, the decision is executed (a rescale), every row is trained exactly once,
 and every decision is an event in the train task's MLflow run with stage 1's predictions against the measured
 throughput and worker peak memory; the run's models (the memory model fitted on the workers' measured peaks) are
-registered, and the next run's stage 1 loads them."""
+registered, and the next run's stage 1 loads them. On this happy path no stage falls back (no "fallback" event)."""
 from __future__ import annotations
 
 import json
@@ -68,6 +68,14 @@ def test_dlrover_daily_run_rescales_during_training_and_logs_its_decisions(recfo
     assert ev["inputs"]["observed_samples_per_s"] > 0 and ev["inputs"]["model"]["coef"]
     assert ev["prediction"]["samples_per_s_after"] > ev["prediction"]["samples_per_s_now"]
     assert any(e["action"] == "hold" and "profiling" in e["reason"] for e in events)
+    # the happy path: stage 1 (the plan task's events) and stages 2/3 (the train task's) never fell back
+    (recforge_home / "stage1").mkdir()
+    stage1 = store.client.download_artifacts(plan.mlflow_run_id, "resource_model/events.jsonl",
+                                             str(recforge_home / "stage1"))
+    stage1_events = [json.loads(line) for line in open(stage1)]
+    assert stage1_events and stage1_events[0]["action"] == "cold_start"
+    fallbacks = [(e["stage"], e["reason"]) for e in stage1_events + events if e["action"] == "fallback"]
+    assert fallbacks == [], fallbacks
     pyfunc = load_resource_model(name=registered_name("criteo_kaggle", "dlrm"), tracking_uri=store.tracking_uri)
     import pandas as pd
 

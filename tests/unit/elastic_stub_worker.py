@@ -30,13 +30,14 @@ def main(spec_path: str) -> None:
     import torch  # lazy: after the failure check, so a failing launch stays quick
     import torch.distributed as dist  # lazy: as torch
 
-    from recforge.elastic.agent.client import MasterClient  # lazy: as torch
+    from recforge.elastic.agent.client import MasterClient, read_token_file  # lazy: as torch
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     crash = spec.get("crash_rank") == rank and generation == 0
-    client = MasterClient(spec["master_url"], worker_id=f"rank{rank}-g{generation}", poll_interval_s=0.05)
+    client = MasterClient(spec["master_url"], worker_id=f"rank{rank}-g{generation}", poll_interval_s=0.05,
+                          token=read_token_file(spec["master_token_file"]))
     start = torch.tensor([client.epoch_state()["epoch"]])
     dist.broadcast(start, 0)
     rows, tasks, step = 0, 0, 0
@@ -82,4 +83,7 @@ def main(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
+    from recforge.elastic.backends.local import die_with_launcher
+
+    die_with_launcher()  # as recforge.worker: SIGKILL with torchrun
     main(sys.argv[1])

@@ -20,7 +20,7 @@ SWITCHES = {
     "dataset_preset", "rows_per_day", "train_days", "workers", "threads_per_worker", "epochs", "batch_size", "seed",
     "table_cap", "model_arch", "source_dir", "preprocessing", "corun_mapping", "preprocess_executor",
     "preprocess_plan", "resources_policy", "max_restarts", "checkpoint_every_steps", "checkpoint_flash", "warm_start",
-    "champion_margin", "champion_min_auc", "champion_min_rows",
+    "champion_margin", "champion_min_auc", "champion_min_rows", "job_timeout_s",
 }
 
 

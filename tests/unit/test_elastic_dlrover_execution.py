@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from recforge.config import ResourceConfig
@@ -105,11 +106,19 @@ def test_a_launch_pending_past_the_timeout_is_relaunched_smaller_at_once():
     assert s.events[-1].action == "relaunch_smaller" and s.events[-1].inputs["pending_s"] == 40.0
 
 
-def test_a_stage_that_raises_is_a_fallback_event_not_a_crash():
+def test_a_stage_that_raises_an_expected_error_is_a_fallback_event_and_a_bug_propagates():
     s = DLRoverScaler(policy_for(), clock=Clock())
-    s.instability.observe = lambda obs: 1 / 0
+
+    def degenerate(obs):
+        raise np.linalg.LinAlgError("Singular matrix")
+
+    s.instability.observe = degenerate
     assert s(state({}, 0), ResourcePlan(2, 1)) is None
-    assert s.events[0].action == "fallback" and "ZeroDivisionError" in s.events[0].reason
+    assert s.events[0].action == "fallback" and "LinAlgError: Singular matrix" in s.events[0].reason
+    s.instability.observe = lambda obs: 1 / 0  # not an error the optimizer expects (errors.py): a bug
+    s.clock.t += 10
+    with pytest.raises(ZeroDivisionError):
+        s(state({}, 0), ResourcePlan(2, 1))
 
 
 # ---- the supervisor carries them out (stub worker under real torchrun) -----------------------

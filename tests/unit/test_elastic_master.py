@@ -8,12 +8,15 @@ from collections import Counter
 
 import pytest
 
+from master_token import TOKEN, master_with_token, token_env  # noqa: F401 (token_env: a fixture)
 from recforge.elastic.agent.client import MasterClient, MasterUnavailableError
 from recforge.elastic.master.service import JobMaster, shard_rows_from_manifest
 from recforge.elastic.master.tasks import Action, TaskState
 
 SHARDS = [23, 9, 16]
 RPT = 4
+
+pytestmark = pytest.mark.usefixtures("token_env")
 
 
 class FakeClock:
@@ -53,7 +56,7 @@ def test_two_client_threads_consume_every_row_of_every_epoch_exactly_once(tmp_pa
         except BaseException as e:  # surfaced below
             errors.append(e)
 
-    with JobMaster(SHARDS, rows_per_task=RPT, epochs=epochs, state_file=tmp_path / "state.json") as m:
+    with master_with_token(SHARDS, rows_per_task=RPT, epochs=epochs, state_file=tmp_path / "state.json") as m:
         threads = [threading.Thread(target=worker, args=(m.url, f"w{i}")) for i in range(2)]
         for t in threads:
             t.start()
@@ -74,7 +77,7 @@ def test_two_client_threads_consume_every_row_of_every_epoch_exactly_once(tmp_pa
 
 def test_stale_done_is_rejected_and_heartbeat_renews_leases(tmp_path):
     clock = FakeClock()
-    with JobMaster([8], rows_per_task=4, lease_timeout_s=10.0, clock=clock, expiry_interval_s=3600) as m:
+    with master_with_token([8], rows_per_task=4, lease_timeout_s=10.0, clock=clock, expiry_interval_s=3600) as m:
         a, b = MasterClient(m.url, "a"), MasterClient(m.url, "b")
         t = a.lease()
         clock.t += 8
@@ -93,7 +96,7 @@ def test_stale_done_is_rejected_and_heartbeat_renews_leases(tmp_path):
 
 def test_periodic_expiry_without_calls():
     clock = FakeClock()
-    with JobMaster([4], rows_per_task=4, lease_timeout_s=5.0, clock=clock, expiry_interval_s=0.05) as m:
+    with master_with_token([4], rows_per_task=4, lease_timeout_s=5.0, clock=clock, expiry_interval_s=0.05) as m:
         t = MasterClient(m.url, "a").lease()
         clock.t += 6
         for _ in range(400):  # bounded wait for the background check
@@ -105,7 +108,7 @@ def test_periodic_expiry_without_calls():
 
 
 def test_lease_retry_with_same_request_id_gets_same_answer():
-    m = JobMaster([8], rows_per_task=4)  # in-process, no server needed
+    m = master_with_token([8], rows_per_task=4)  # in-process, no server needed
     g1 = m.lease("a", request_id="r1")
     assert m.lease("a", request_id="r1") == g1
     g2 = m.lease("a", request_id="r2")
@@ -113,7 +116,7 @@ def test_lease_retry_with_same_request_id_gets_same_answer():
 
 
 def test_release_over_http_returns_the_rest(tmp_path):
-    with JobMaster([10], rows_per_task=10) as m:
+    with master_with_token([10], rows_per_task=10) as m:
         c = MasterClient(m.url, "a")
         t = c.lease()
         assert c.release(t.task_id, 6)
@@ -128,7 +131,7 @@ def test_restarted_master_resumes_from_its_state_file(tmp_path, monkeypatch):
     state_file = tmp_path / "master" / "state.json"
     kw = dict(rows_per_task=RPT, epochs=2, state_file=state_file)
     seen: Counter = Counter()
-    m1 = JobMaster(SHARDS, **kw).start()
+    m1 = master_with_token(SHARDS, **kw).start()
     port = m1.port
     c = MasterClient(m1.url, "a", max_attempts=40, backoff_s=0.05, max_backoff_s=0.2)
     for _ in range(5):
@@ -138,10 +141,10 @@ def test_restarted_master_resumes_from_its_state_file(tmp_path, monkeypatch):
     held = c.lease()  # in flight across the restart
     m1.stop()
     with pytest.raises(ValueError, match="rows_per_task"):
-        JobMaster(SHARDS, rows_per_task=RPT + 1, epochs=2, state_file=state_file)
+        master_with_token(SHARDS, rows_per_task=RPT + 1, epochs=2, state_file=state_file)
 
     # a client call during the outage is retried until the new master answers on the same port
-    m2 = JobMaster(SHARDS, port=port, **kw)
+    m2 = master_with_token(SHARDS, port=port, **kw)
     assert m2.restored and m2.queue.holder(held.task_id) == "a"
     import recforge.elastic.agent.client as client_mod
 
@@ -179,7 +182,7 @@ def test_restarted_master_resumes_from_its_state_file(tmp_path, monkeypatch):
 
 def test_new_launch_and_new_generation_take_back_leases(tmp_path):
     state_file = tmp_path / "state.json"
-    with JobMaster([4, 4, 4], rows_per_task=4, state_file=state_file, lease_timeout_s=1000) as m:
+    with master_with_token([4, 4, 4], rows_per_task=4, state_file=state_file, lease_timeout_s=1000) as m:
         old = MasterClient(m.url, "r0-g0", generation=0).lease()
         new = MasterClient(m.url, "r0-g1", generation=1)
         got = new.lease()
@@ -188,7 +191,7 @@ def test_new_launch_and_new_generation_take_back_leases(tmp_path):
             MasterClient(m.url, "r1-g0", generation=0).lease()
         other = MasterClient(m.url, "r1-g1", generation=1).lease()
     assert m.queue.retries(old.task_id) == 1
-    m2 = JobMaster([4, 4, 4], rows_per_task=4, state_file=state_file, new_launch=True)
+    m2 = master_with_token([4, 4, 4], rows_per_task=4, state_file=state_file, new_launch=True)
     assert m2.queue.state_of(got.task_id) is TaskState.TODO and m2.queue.state_of(other.task_id) is TaskState.TODO
     assert m2.queue.generation == 0
 
@@ -202,7 +205,7 @@ def test_client_gives_up_after_bounded_retries():
 
 
 def test_bad_request_is_an_error_not_a_retry():
-    with JobMaster([4], rows_per_task=4) as m:
+    with master_with_token([4], rows_per_task=4) as m:
         c = MasterClient(m.url, "a")
         with pytest.raises(ValueError, match="422"):
             c.done("x", -1)
@@ -212,7 +215,7 @@ def test_shard_rows_from_manifest(tmp_path):
     shards = [{"path": "p0", "rows": 5}, {"path": "p1", "rows": 7}]
     (tmp_path / "manifest.json").write_text(json.dumps({"shards": shards}))
     assert shard_rows_from_manifest(tmp_path) == [5, 7]
-    m = JobMaster.from_manifest(tmp_path, rows_per_task=4)
+    m = JobMaster.from_manifest(tmp_path, rows_per_task=4, token=TOKEN)
     assert len(m.queue.tasks()) == 4
     with pytest.raises(FileNotFoundError):
         shard_rows_from_manifest(tmp_path / "nope")

@@ -5,9 +5,12 @@ import json
 
 import pytest
 
+from master_token import TOKEN, master_with_token, token_env  # noqa: F401 (token_env: a fixture)
 from recforge.elastic.agent.client import MasterClient
 from recforge.elastic.master.service import JobMaster, ScaleRejectedError
 from recforge.elastic.master.tasks import TaskState
+
+pytestmark = pytest.mark.usefixtures("token_env")
 
 
 class FakeClock:
@@ -29,7 +32,7 @@ def frozen(m: JobMaster) -> str:
 @pytest.fixture
 def master():
     clock = FakeClock()
-    with JobMaster([8, 8], rows_per_task=4, lease_timeout_s=10.0, clock=clock, expiry_interval_s=3600,
+    with master_with_token([8, 8], rows_per_task=4, lease_timeout_s=10.0, clock=clock, expiry_interval_s=3600,
                    max_workers=4) as m:
         m.clock = clock
         yield m
@@ -117,7 +120,7 @@ def test_scale_request_within_limits_becomes_a_stop_command(master):
 def test_restore_rejects_a_state_of_another_job_and_bad_snapshots(master):
     c = MasterClient(master.url, "a")
     t = c.lease()
-    other = JobMaster([5], rows_per_task=4).queue.to_dict()
+    other = master_with_token([5], rows_per_task=4).queue.to_dict()
     before = frozen(master)
     with pytest.raises(ValueError, match=r"400.*shard_rows=\[5\] does not match"):
         c.restore(other, "wrong job")

@@ -2,6 +2,7 @@
 Helm values for the official Airflow chart parse, set what recforge needs, and their embedded Kubernetes objects
 (containers, volumes, resources) validate too; names shared between files agree; infra/jobs/ is what
 recforge.elastic.backends.k8s_manifests generates."""
+import re
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ def _objects() -> dict[tuple[str, str], dict]:
 def test_there_are_manifests_for_every_part():
     kinds = {kind for kind, _ in _objects()}
     assert {"Namespace", "PersistentVolumeClaim", "Deployment", "Service", "StatefulSet", "ServiceAccount",
-            "Role", "RoleBinding", "Pod", "ConfigMap"} <= kinds, kinds
+            "Role", "RoleBinding", "Pod", "ConfigMap", "NetworkPolicy", "Job"} <= kinds, kinds
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(INFRA)))
@@ -58,17 +59,50 @@ def test_validation_catches_a_broken_manifest():
         _validate({**pod, "spec": {**pod["spec"], "restartPolicyy": "Never"}})  # strict: unknown field
 
 
-def test_job_master_rbac_lets_it_manage_worker_pods_and_services():
+def _rules(role: dict) -> set[tuple[str, str]]:
+    return {(res, verb) for r in role["rules"] for res in r["resources"] for verb in r["verbs"]}
+
+
+def _api_calls(path: Path) -> set[tuple[str, str]]:
+    """(resource, verb) of every CoreV1Api call in a module (a list call also watches: the same call streams)."""
+    verbs = {"create": ["create"], "list": ["list", "watch"], "delete": ["delete"], "read": ["get"],
+             "patch": ["patch"], "replace": ["update"]}
+    out = set()
+    for verb, kind in re.findall(r"\.(create|list|delete|read|patch|replace)_namespaced_(pod_log|pod|service|secret)\b",
+                                 path.read_text()):
+        resource = {"pod_log": "pods/log", "pod": "pods", "service": "services", "secret": "secrets"}[kind]
+        out |= {(resource, v) for v in verbs[verb]}
+    return out
+
+
+def test_job_master_rbac_is_exactly_what_its_backend_calls():
+    """Least privilege: the job master's Role grants the calls recforge.elastic.backends.kubernetes makes, no more
+    (create_master_token_secret runs in the Airflow task, not in the master: no Secrets here)."""
     objs = _objects()
+    backend = REPO / "platform" / "recforge" / "elastic" / "backends" / "kubernetes.py"
+    calls = _api_calls(backend) - {("secrets", "create")}
+    assert {("pods", "create"), ("pods", "watch"), ("services", "create"), ("pods/log", "get")} <= calls
     role = objs[("Role", "recforge-job-master")]
-    rules = {(res, verb) for r in role["rules"] for res in r["resources"] for verb in r["verbs"]}
-    for res in ("pods", "services"):
-        for verb in ("create", "get", "list", "watch", "delete"):
-            assert (res, verb) in rules, (res, verb)
+    assert _rules(role) == calls
+    assert all(r["apiGroups"] == [""] for r in role["rules"])
     binding = objs[("RoleBinding", "recforge-job-master")]
     assert binding["roleRef"]["name"] == "recforge-job-master"
     assert {s["name"] for s in binding["subjects"]} == {"recforge-job-master"}
     assert ("ServiceAccount", "recforge-job-master") in objs
+    assert objs[("Pod", "example-master")]["spec"]["serviceAccountName"] == "recforge-job-master"
+    assert not any(r.get("resourceNames") is None and "*" in r["verbs"] + r["resources"] for r in role["rules"])
+
+
+def test_airflow_task_pods_may_create_but_not_read_secrets():
+    role = _objects()[("Role", "recforge-airflow-worker")]
+    rules = _rules(role)
+    assert ("secrets", "create") in rules and not {("secrets", v) for v in ("get", "list", "watch")} & rules
+    # what the KubernetesPodOperator needs to run the job master pod, plus the token Secret's creation
+    operator = REPO / "platform" / "recforge" / "pipelines" / "k8s_operator.py"
+    assert {("pods", "create"), ("pods", "get"), ("pods", "watch"), ("pods", "delete"), ("pods/log", "get"),
+            ("pods/exec", "create")} <= rules
+    assert "create_master_token_secret" in operator.read_text()
+    assert _values()["workers"]["serviceAccount"]["name"] == "recforge-airflow-worker"
 
 
 def _values() -> dict:

@@ -84,12 +84,15 @@ def test_history_without_usable_models_gives_the_median_final_plan():
 def test_a_broken_history_store_or_record_falls_back_without_crashing():
     class Broken:
         problems: list = []
+        unavailable = (OSError,)
 
         def similar(self, *a, **k):
             raise OSError("mlflow down")
 
     ws = warm_start(JOB, Broken(), LIMITS)
     assert ws.plan == REQ and "history lookup failed" in ws.events[0].inputs["history_problems"][0]
+    assert ws.events[0].action == "fallback" and "history store unavailable (OSError: mlflow down)" \
+        in ws.events[0].reason  # more in test_optimizer_errors.py
     bad = InMemoryHistory([JobRecord("criteo_kaggle", "dlrm", {"workers": "many"})])
     ws = warm_start(JOB, bad, LIMITS)
     assert ws.plan == REQ and ws.events[-1].action in ("cold_start", "fallback")

@@ -48,6 +48,11 @@ class TrainConfig(StrictModel):
         "is 'champion' for scheduled runs and 'scratch' for manual ones; 'scratch' never warm-starts")
 
 
+# the training job's default time limit (resources.job_timeout_s); the Airflow train task's execution_timeout
+# (recforge.pipelines.dag_tasks.stage_timeouts) is this plus a margin for what the task does around the job
+JOB_TIMEOUT_S = 4 * 3600.0
+
+
 class DLRoverConfig(StrictModel):
     """DLRover-RM stages 2/3 while a job trains (resources.policy == "dlrover"); defaults are DLRover's."""
 
@@ -71,6 +76,9 @@ class ResourceConfig(StrictModel):
         "dlrover", description="dlrover: DLRover-RM plans the job (stage 1 from MLflow history) and adjusts it while "
         "it trains (stages 2/3); static: exactly `workers` x `threads_per_worker`")
     max_restarts: int = Field(3, ge=0, description="worker-group relaunches the job may spend before it fails")
+    job_timeout_s: float = Field(
+        JOB_TIMEOUT_S, gt=0, description="the training job is stopped and fails after this many seconds (all its "
+        "relaunches included); the DAG's train task allows this plus a margin (its execution_timeout)")
     dlrover: DLRoverConfig = Field(default_factory=DLRoverConfig)
 
 

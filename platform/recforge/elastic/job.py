@@ -10,6 +10,8 @@ hung group, relaunches at a new size on a scale request, and, when the spec asks
 checkpoints (spec["recovery"]["flash"]), runs the agent that persists them from shared memory.
 The spec's "recovery" section gets this launch's generation base, gradient accumulation, the
 failures directory and the flash agent flag filled in before every launch.
+A shutdown is not a failure: SIGTERM to the process running the job raises JobCancelled once the group is
+stopped, and nothing is relaunched (recforge.elastic.shutdown; docs/fault_tolerance.md#shutdown-and-orphans).
 """
 from __future__ import annotations
 
@@ -17,23 +19,25 @@ import json
 import logging
 import os
 import shutil
-import signal
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 from recforge.config import ResourceConfig
+from recforge.elastic.agent.client import TOKEN_FILE_ENV, read_token_file, write_token_file
 from recforge.elastic.agent.flash_checkpoint import FlashPersister
 from recforge.elastic.backends.base import Backend, JobFailedError
 from recforge.elastic.backends.kubernetes import backend_from_environment
 from recforge.elastic.backends.local import LocalBackend
 from recforge.elastic.master.failover import FailoverPolicy
 from recforge.elastic.master.service import JobMaster
+from recforge.elastic.master.state_log import read_master_state, remove_master_state
 from recforge.elastic.master.supervisor import Attempt, Scaler, Supervisor
 from recforge.elastic.policy import JobInfo, Policy, ResourcePlan, StaticPolicy
+from recforge.elastic.shutdown import JobCancelled, on_shutdown, sigterm_raises
+from recforge.train.recovery.private_dir import open_flash_dir, recorded_private_dir
 from recforge.train.recovery.spec import RecoverySpec
 from recforge.train.spec import WorkerSpec
 
@@ -41,35 +45,15 @@ log = logging.getLogger(__name__)
 
 SPEC_FILE = "worker_spec.json"
 STATE_FILE = "master_state.json"
+TOKEN_FILE = "master.token"  # the job master's bearer token, 0600, when RECFORGE_MASTER_TOKEN_FILE is not set
 FAILURES_DIR = "failures"
 
 
-class JobCancelled(RuntimeError):
-    """The process running the job got SIGTERM (a task cancelled, marked failed or timed out): the workers are
-    stopped on the way out."""
-
-
-@contextmanager
-def sigterm_cancels_job() -> Iterator[None]:
+def sigterm_cancels_job() -> AbstractContextManager[None]:
     """While the block runs, SIGTERM raises JobCancelled (after the handler installed before, e.g. Airflow's on_kill),
-    so `run_training_job`'s cleanup stops the workers at once instead of leaving them to a later SIGKILL.
-    A no-op outside the main thread (signal handlers live there)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def cancel(signum: int, frame: Any) -> None:
-        if callable(previous):
-            previous(signum, frame)
-        raise JobCancelled("SIGTERM: the training job was cancelled (task stopped, marked failed or timed out); "
-                           "its workers are stopped")
-
-    signal.signal(signal.SIGTERM, cancel)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    so `run_training_job`'s cleanup stops the workers at once; run_training_job installs the same itself
+    (recforge.elastic.shutdown: one mechanism per process). A no-op outside the main thread."""
+    return sigterm_raises(JobCancelled)
 
 
 @dataclass
@@ -134,7 +118,8 @@ def run_training_job(
 
     `spec`: the worker spec without `master_url` (a WorkerSpec, validated again with each launch's fields; a plain
     mapping for another worker program, e.g. the tests' stub); `rows_per_task`, `epochs` and `lease_timeout_s`
-    default to spec["train"]'s batch_size * batches_per_task, epochs and lease_timeout_s.
+    default to spec["train"]'s batch_size * batches_per_task, epochs and lease_timeout_s; `timeout_s` (the whole
+    job, relaunches included) to resources.job_timeout_s.
     `state_dir` holds the spec, the master's state file and the workers' log; with `resume`, an
     existing state file there makes the job continue where it stopped (its in-flight tasks go back
     to TODO), else it starts over. With `check`, a failed or timed-out launch raises JobFailedError
@@ -156,6 +141,7 @@ def run_training_job(
         rows_per_task = int(train["batch_size"]) * int(train["batches_per_task"])
     epochs = int(epochs if epochs is not None else train.get("epochs", 1))
     lease_timeout_s = float(lease_timeout_s if lease_timeout_s is not None else train.get("lease_timeout_s", 120.0))
+    timeout_s = float(timeout_s if timeout_s is not None else resources.job_timeout_s)  # every wait is bounded
 
     policy = policy or default_policy(resources)
     backend = backend or default_backend(resources, state_dir)
@@ -167,14 +153,13 @@ def run_training_job(
     first_generation = 0
     if resume and state_file.exists():  # generations stay unique across runs of one job (ledgers, lockout)
         try:
-            first_generation = int(json.loads(state_file.read_text())["queue"]["generation"]) + 1
+            first_generation = int(read_master_state(state_file)["queue"]["generation"]) + 1
         except (ValueError, KeyError, TypeError):
             first_generation = 0
     failures_dir = state_dir / FAILURES_DIR
     shutil.rmtree(failures_dir, ignore_errors=True)  # records of an earlier run would alias this run's generations
     if not resume:
-        if state_file.exists():
-            state_file.unlink()
+        remove_master_state(state_file)
         for d in recovery["roots"]:
             shutil.rmtree(d, ignore_errors=True)
     if max_workers is None and resources.backend == "local":
@@ -192,25 +177,31 @@ def run_training_job(
                                memory_action="more_memory" if hasattr(backend, "grow_memory") else "accumulate")
     poll_s = min(poll_s, float(getattr(scaler, "min_interval_s", poll_s)))  # a profiler polls at its own pace
     bind, advertise = getattr(backend, "master_hosts", ("127.0.0.1", "127.0.0.1"))
+    # the job's token: the mounted Secret's file (Kubernetes), else a new one in <state_dir>/master.token (0600)
+    token_file = Path(os.environ.get(TOKEN_FILE_ENV) or state_dir / TOKEN_FILE)
+    token = read_token_file(token_file) if os.environ.get(TOKEN_FILE_ENV) else write_token_file(token_file)
     master = JobMaster(
         shard_rows, rows_per_task=rows_per_task, epochs=epochs, state_file=state_file,
         lease_timeout_s=lease_timeout_s, max_retries=3, shuffle_seed=shuffle_seed, new_launch=True,
-        max_workers=max_workers, host=bind, advertise_host=advertise,
+        max_workers=max_workers, host=bind, advertise_host=advertise, token=token,
         port=int(os.environ.get("RECFORGE_MASTER_PORT", "0")) if bind != "127.0.0.1" else 0,
     )
     spec_path = state_dir / SPEC_FILE
     persister = None
-    if recovery["flash"]:
-        persister = FlashPersister(recovery["memory_root"], recovery["disk_root"], keep=recovery["keep"]).start()
+    if recovery["flash"]:  # the job's private /dev/shm directory; a resumed job reuses the one its pointer records
+        recovery["memory_root"] = recovery["memory_root"] or open_flash_dir(recovery["pointer"], fresh=not resume)
+        persister = FlashPersister(recovery["memory_root"], recovery["disk_root"], keep=recovery["keep"],
+                                   pointer=recovery["pointer"]).start()
 
     global_batch = (raw.get("recovery") or {}).get("global_batch") or plan.workers * int(train.get("batch_size", 1))
 
     def write_spec(generation_base: int, grad_accumulation: int, launch_plan: ResourcePlan) -> Path:
         rec = {**dict(raw.get("recovery") or {}), "generation_base": generation_base,
                "grad_accumulation": grad_accumulation, "global_batch": global_batch,
-               "failures_dir": str(failures_dir), "flash_agent": persister is not None}
-        full_spec = {**raw, "master_url": master.url, "threads_per_worker": launch_plan.threads_per_worker,
-                     "recovery": rec}
+               "failures_dir": str(failures_dir), "flash_agent": persister is not None,
+               **({"flash_root": str(persister.memory_root)} if persister is not None else {})}
+        full_spec = {**raw, "master_url": master.url, "master_token_file": str(token_file),
+                     "threads_per_worker": launch_plan.threads_per_worker, "recovery": rec}
         if isinstance(spec, WorkerSpec):  # validated before any rank reads it
             return WorkerSpec.model_validate(full_spec).save(spec_path)
         tmp = spec_path.with_name(spec_path.name + ".tmp")
@@ -220,8 +211,15 @@ def run_training_job(
 
     outcome = None
     ok = False
+    sup: Supervisor | None = None
+
+    def stop_supervisor(why: str) -> None:  # from the SIGTERM handler: relaunch nothing
+        if sup is not None:
+            sup.shutdown(why)
+
     try:
-        with master:
+        # a SIGTERM to this process (or to an enclosing stage) stops the group and relaunches nothing
+        with master, sigterm_raises(JobCancelled), on_shutdown(stop_supervisor):
             log.info("launching %d worker(s) x %d thread(s), master %s", plan.workers, plan.threads_per_worker,
                      master.url)
             sup = Supervisor(
@@ -279,11 +277,13 @@ def run_training_job(
 
 
 def _recovery(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """Where the spec's step checkpoints live (empty when it has no checkpoint_dir, e.g. a stub worker)."""
+    """Where the spec's step checkpoints live (empty when it has no checkpoint_dir, e.g. a stub worker). The flash
+    directory is the spec's flash_root when given, else made by run_training_job (private_dir.open_flash_dir)."""
     rec = RecoverySpec.model_validate(spec.get("recovery") or {})
     if not spec.get("checkpoint_dir"):
         return {"flash": False, "roots": [], "keep": rec.keep_checkpoints}
     ckpt = Path(spec["checkpoint_dir"])
-    disk, memory = rec.steps_root(ckpt), rec.shm_root(ckpt)
-    return {"flash": rec.flash, "roots": [disk, memory], "disk_root": disk, "memory_root": memory,
-            "keep": rec.keep_checkpoints}
+    disk, memory, pointer = rec.steps_root(ckpt), rec.flash_root, rec.flash_pointer(ckpt)
+    recorded = memory if memory is not None else recorded_private_dir(pointer)  # a job that starts over drops it
+    return {"flash": rec.flash, "roots": [disk, *([recorded] if recorded is not None else [])], "disk_root": disk,
+            "memory_root": memory, "pointer": pointer, "keep": rec.keep_checkpoints}

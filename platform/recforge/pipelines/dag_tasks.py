@@ -1,17 +1,21 @@
 """Glue between Airflow's task context and the stage functions (keeps DAG files to wiring only): the DAG's Params
-read off PipelineConfig, the run's conf checked against them, invalid input failed without a retry.
+read off PipelineConfig, the run's conf checked against them, invalid input failed without a retry, each task's
+execution_timeout (`stage_timeout`).
 
 `python -m recforge.pipelines.dag_tasks --markdown` prints the Params table of the README."""
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import types
+from datetime import timedelta
 from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
 from recforge.config import DATASET_PRESETS, PipelineConfig
+from recforge.config.pipeline import JOB_TIMEOUT_S
 from recforge.pipelines.context import EXPERIMENT, RunContext, run_key_from
 from recforge.pipelines.stage import (
     INVALID_INPUT,
@@ -41,6 +45,7 @@ PARAM_FIELDS: dict[str, tuple[str, ...]] = {
     "threads_per_worker": ("resources", "threads_per_worker"),
     "resources_policy": ("resources", "policy"),
     "max_restarts": ("resources", "max_restarts"),
+    "job_timeout_s": ("resources", "job_timeout_s"),
     "preprocessing": ("preprocessing",),
     "corun_mapping": ("corun", "mapping"),
     "preprocess_executor": ("preprocess_executor",),
@@ -51,6 +56,16 @@ PARAM_FIELDS: dict[str, tuple[str, ...]] = {
     "champion_min_auc": ("champion_min_auc",),
     "champion_min_rows": ("champion_min_rows",),
 }
+# Airflow's execution_timeout of each recforge_daily task, sized to what the stage does at the largest sizes we run
+# (seconds); `RECFORGE_TIMEOUT_<TASK>_S` overrides one where the DAG file is parsed (the scheduler, the DAG
+# processor) and where the task runs. The train task allows the training job's own limit (resources.job_timeout_s,
+# whose trigger Param is checked against it) plus TRAIN_MARGIN_S for the preprocessing, logging and model files
+# around the job.
+TRAIN_MARGIN_S = 1800.0
+STAGE_TIMEOUTS_S: dict[str, float] = {
+    "generate": 3600.0, "ingest": 2 * 3600.0, "plan_resources": 3600.0, "train": JOB_TIMEOUT_S + TRAIN_MARGIN_S,
+    "evaluate": 3600.0, "compile": 3600.0, "publish": 1800.0,
+}
 # A `str` field whose values a validator checks (not a Literal): its enum, from the set that validator uses.
 FIELD_ENUMS: dict[str, list[str]] = {"dataset_preset": sorted(DATASET_PRESETS)}
 _JSON_TYPES: dict[type, str] = {bool: "boolean", int: "integer", float: "number", str: "string"}
@@ -59,6 +74,40 @@ _BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "ex
 
 class ParamError(InvalidInput):
     """A Param in the run's conf is unknown, of the wrong type or out of range; the message names it."""
+
+
+def timeout_env(task_id: str) -> str:
+    """The environment variable that overrides `task_id`'s execution_timeout."""
+    return f"RECFORGE_TIMEOUT_{task_id.upper()}_S"
+
+
+def stage_timeout(task_id: str) -> timedelta:
+    """The execution_timeout of a recforge_daily task: STAGE_TIMEOUTS_S, or its `timeout_env` in seconds. A task
+    past it is failed by Airflow (SIGTERM: the stage closes its MLflow runs, the training job stops its workers)."""
+    if task_id not in STAGE_TIMEOUTS_S:
+        raise KeyError(f"no execution_timeout for task {task_id!r}; known: {sorted(STAGE_TIMEOUTS_S)}")
+    name = timeout_env(task_id)
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return timedelta(seconds=STAGE_TIMEOUTS_S[task_id])
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{name}={raw!r}: the execution_timeout of task {task_id!r} must be a number of seconds > 0")
+    return timedelta(seconds=seconds)
+
+
+def _job_timeout_problem(cfg: dict[str, Any]) -> str | None:
+    """Why the run's training-job limit does not fit inside the train task's execution_timeout (None: it does)."""
+    job = (cfg.get("resources") or {}).get("job_timeout_s")
+    task = stage_timeout("train").total_seconds()
+    if job is None or not isinstance(job, (int, float)) or job + TRAIN_MARGIN_S <= task:
+        return None
+    return (f"param 'job_timeout_s': must be <= {task - TRAIN_MARGIN_S:g}, got {job!r} (the train task's "
+            f"execution_timeout {task:g} s less {TRAIN_MARGIN_S:g} s for the task's own work; "
+            f"{timeout_env('train')} raises it)")
 
 
 def _field(path: tuple[str, ...]) -> tuple[Any, Any]:
@@ -159,6 +208,9 @@ def config_from_params(params: dict[str, Any]) -> dict[str, Any]:
         PipelineConfig.model_validate(cfg)
     except ValidationError as e:
         problems += [_named(err) for err in e.errors()]
+    timeout = _job_timeout_problem(cfg)
+    if timeout:
+        problems.append(timeout)
     if problems:
         raise ParamError("; ".join(problems))
     return cfg

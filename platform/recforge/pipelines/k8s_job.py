@@ -9,23 +9,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from recforge.elastic.backends.k8s_manifests import JOB_LABEL, MASTER_APP, JobPodSettings, master_pod
+from recforge.elastic.backends.k8s_manifests import (
+    JOB_LABEL,
+    MASTER_APP,
+    JobPodSettings,
+    master_pod,
+    token_secret_name,
+)
 
 DATA_MOUNT = JobPodSettings.data_mount  # where the pods mount the shared volume (JOB_JSON lives on it)
 MLFLOW_TRACKING_URI = "http://recforge-mlflow:5000"  # the in-cluster MLflow Service (infra/mlflow/service.yaml)
 
 
 def job_master_pod(*, namespace: str, image: str, job_json: str, worker_memory: str, worker_gpus: str,
-                   mlflow_tracking_uri: str = MLFLOW_TRACKING_URI) -> dict[str, Any]:
+                   mlflow_tracking_uri: str = MLFLOW_TRACKING_URI, mlflow_secret: str | None = None) -> dict[str, Any]:
     """`master_pod` for a master the DAG starts; the worker memory / GPUs reach the master's backend through
     its environment (RECFORGE_WORKER_MEMORY / RECFORGE_WORKER_GPUS, read by backend_from_environment).
 
     The job id is the master's to derive (from the state directory JOB_JSON names), unknown when the DAG is
-    parsed: the pod is named for its app (the operator appends a unique suffix) and carries no job label."""
+    parsed: the pod is named for its app (the operator appends a unique suffix) and carries no job label. It mounts
+    the job's master token Secret (named here for the unsuffixed pod; recforge.pipelines.k8s_operator renames it
+    for the pod's final name and creates it); `mlflow_secret`: MLflow credentials for the job's MLflow clients."""
     settings = JobPodSettings(namespace=namespace, job_id="", image=image, extra_env={
         "RECFORGE_WORKER_MEMORY": worker_memory, "RECFORGE_WORKER_GPUS": worker_gpus,
         "MLFLOW_TRACKING_URI": mlflow_tracking_uri,
-    })
+    }, token_secret=token_secret_name(MASTER_APP), mlflow_secret=mlflow_secret)
     pod = master_pod(settings, job_json=job_json)
     meta = pod["metadata"]
     meta["name"] = MASTER_APP

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import signal
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
 
+from recforge.elastic.shutdown import JobCancelled
+from recforge.elastic.shutdown import sigterm_raises as _sigterm_raises
 from recforge.pipelines.context import RunContext, StageWriter
 from recforge.pipelines.outputs import OutputsError, OutputsT
 
@@ -22,9 +21,10 @@ class InvalidInput(ValueError):
     """Bad input that a retry cannot fix (raise it before the stage's work starts): the Airflow task fails at once."""
 
 
-class StageCancelled(BaseException):
+class StageCancelled(JobCancelled):
     """SIGTERM reached the stage's process: Airflow marked the task failed or cancelled it, or its pod is stopping.
-    A BaseException, so `except Exception` blocks on the way out do not swallow it."""
+    A BaseException (as JobCancelled, which a training job inside the stage raises), so `except Exception` blocks on
+    the way out do not swallow it."""
 
 
 # Failures a retry cannot fix: bad Params/config, a record that does not hold its schema, InvalidInput. Everything
@@ -48,7 +48,7 @@ def is_recorded(exc: BaseException) -> bool:
 def failure_kind(exc: BaseException) -> str:
     """The ERROR_KIND_TAG value of a failure: cancelled, invalid_input (no retry) or error (retried). (The DAG's
     failure callback adds `killed`: a process that died without closing its run.)"""
-    if isinstance(exc, (StageCancelled, KeyboardInterrupt)):
+    if isinstance(exc, (JobCancelled, KeyboardInterrupt)):
         return "cancelled"
     if isinstance(exc, INVALID_INPUT):
         return "invalid_input"
@@ -57,46 +57,23 @@ def failure_kind(exc: BaseException) -> str:
 
 def failure_reason(exc: BaseException) -> BaseException | str:
     """What the FAILED run records: the exception, or for a signal 'cancelled/killed (SIGTERM)'."""
-    if isinstance(exc, StageCancelled):
+    if isinstance(exc, JobCancelled):
         return f"cancelled/killed (SIGTERM): {exc}"
     if isinstance(exc, KeyboardInterrupt):
         return "cancelled/killed (SIGINT)"
     return exc
 
 
-@contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
+def sigterm_raises() -> contextlib.AbstractContextManager[None]:
     """While the stage runs, SIGTERM raises StageCancelled in it (once), after the handler it replaces ran.
 
     Airflow 3's task runner answers SIGTERM only with the operator's on_kill() and SIGKILLs the process 5 s later, so
-    without this a cancelled task would leave its MLflow runs RUNNING. Only the main thread can own a handler; in
-    another thread (or a process forked from this one) nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    owner = os.getpid()
-    previous = signal.getsignal(signal.SIGTERM)
-    raised = False
-
-    def on_term(signum: int, frame: Any) -> None:
-        nonlocal raised
-        if os.getpid() != owner:  # a child forked before it exec'd: die as SIGTERM means
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        if raised:  # once: a second SIGTERM must not break the cleanup the first one started
-            return
-        raised = True
-        if callable(previous):
-            previous(signum, frame)  # Airflow's (on_kill), or an outer sigterm_raises that raises itself
-        raise StageCancelled("the task process received SIGTERM (marked failed or cancelled in Airflow, "
-                             "or its worker is stopping)")
-
-    signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    without this a cancelled task would leave its MLflow runs RUNNING. The mechanism is the training job's
+    (recforge.elastic.shutdown): one per process, a training job inside the stage stops its workers and relaunches
+    nothing. Only the main thread can own a handler; in another thread (or a process forked from this one) nothing
+    changes."""
+    return _sigterm_raises(StageCancelled, "the task process received SIGTERM (marked failed or cancelled in Airflow, "
+                                           "or its worker is stopping)")
 
 
 def run_stage(ctx: RunContext, model: type[OutputsT],

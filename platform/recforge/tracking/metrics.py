@@ -1,19 +1,24 @@
-"""Metric logging for training workers (a separate process that only knows the run id)."""
+"""Metric logging for training workers (a separate process that only knows the run id). An unreachable server is
+waited for, bounded (recforge.tracking.outage), so a short outage only delays the metrics."""
 from __future__ import annotations
 
 import time
 from functools import lru_cache
+from typing import Any
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
+from recforge.tracking.outage import PatientClient, bound_mlflow_request_retries
+
 
 @lru_cache(maxsize=4)
-def _client(tracking_uri: str) -> MlflowClient:
-    return MlflowClient(tracking_uri=tracking_uri)
+def _client(tracking_uri: str) -> Any:
+    bound_mlflow_request_retries()
+    return PatientClient(MlflowClient(tracking_uri=tracking_uri), tracking_uri)
 
 
-def log_metric_batch(client: MlflowClient, run_id: str, metrics: dict[str, float], step: int) -> None:
+def log_metric_batch(client: Any, run_id: str, metrics: dict[str, float], step: int) -> None:
     """One MLflow batch of `metrics` at `step`, all stamped now; nothing is sent for an empty dict."""
     now = int(time.time() * 1000)
     batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]

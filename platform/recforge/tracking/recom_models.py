@@ -14,6 +14,7 @@ from typing import Any
 import mlflow
 from mlflow.exceptions import MlflowException
 
+from recforge.tracking.model_source import load_trusted, model_ref
 from recforge.tracking.pyfunc import ArtifactPyfunc, Loader
 from recforge.tracking.requirements import pinned_requirements
 from recforge.tracking.store import TrackingStore
@@ -69,7 +70,7 @@ def load_compiled(store: TrackingStore, trained_name: str, version_or_alias: str
                   backend: str | None = "export") -> Any:
     """The registered pyfunc (``mlflow.pyfunc.PyFuncModel``) of a compiled model version or alias;
     ``backend`` reaches the loader as ``model_config["backend"]``."""
-    ref = f"/{version_or_alias}" if str(version_or_alias).isdigit() else f"@{version_or_alias}"
-    mlflow.set_tracking_uri(store.tracking_uri)
     config = {"backend": backend} if backend else None
-    return mlflow.pyfunc.load_model(f"models:/{compiled_name(trained_name)}{ref}", model_config=config)
+    # unpickled (the pyfunc's python_model): only from this store's registry (recforge.tracking.model_source)
+    return load_trusted(store, model_ref(compiled_name(trained_name), str(version_or_alias)),
+                        lambda uri: mlflow.pyfunc.load_model(uri, model_config=config))

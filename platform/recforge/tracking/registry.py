@@ -12,6 +12,7 @@ from typing import Any
 import mlflow
 from mlflow.exceptions import MlflowException
 
+from recforge.tracking.model_source import load_trusted, model_ref
 from recforge.tracking.requirements import pinned_requirements
 from recforge.tracking.store import TrackingStore
 
@@ -153,11 +154,9 @@ class ModelRegistry:
         return PromotionDecision(version, decision.promote, auc, now, champion_auc, margin, decision.reason)
 
     def load(self, version_or_alias: str):
-        """Load a registered model. Pickled artifacts are only ever loaded from this registry."""
-        version_or_alias = str(version_or_alias)
-        ref = f"/{version_or_alias}" if version_or_alias.isdigit() else f"@{version_or_alias}"
-        mlflow.set_tracking_uri(self.store.tracking_uri)
-        return mlflow.pytorch.load_model(f"models:/{self.name}{ref}")
+        """Load a registered model (unpickled): only a version of this store's registry registered from one of its
+        runs (recforge.tracking.model_source; UntrustedModelError otherwise)."""
+        return load_trusted(self.store, model_ref(self.name, str(version_or_alias)), mlflow.pytorch.load_model)
 
 
 def _pinned_requirements() -> list[str]:

@@ -23,6 +23,7 @@ from typing import Any
 import mlflow
 from mlflow.exceptions import MlflowException
 
+from recforge.tracking.model_source import load_trusted, model_ref
 from recforge.tracking.pyfunc import ArtifactPyfunc, Loader
 from recforge.tracking.requirements import pinned_requirements
 from recforge.tracking.store import TrackingStore
@@ -37,6 +38,8 @@ FIGURE_FILE = "resource_model/predicted_vs_measured.png"
 MODEL_NAME = "resource_model"
 RECORD_KEY = "record"
 REGISTRY_PREFIX = "recforge-resource-model"
+# what a lookup raises when the store cannot be read: MLflow refusing or failing, the network or the disk under it
+STORE_ERRORS: tuple[type[Exception], ...] = (MlflowException, OSError)
 
 
 @dataclass
@@ -170,16 +173,16 @@ def load_resource_model(model_uri: str | None = None, tracking_uri: str | None =
     """The pyfunc: `.predict(pd.DataFrame({"workers": [8], "cpu_per_worker": [2], "batch_size": [512]}))`.
 
     Either a model URI (runs:/..., models:/...) or a registered `name` (see `registered_name`) with a
-    `version` (a number, an alias, or None for the newest version)."""
+    `version` (a number, an alias, or None for the newest version), of the store at `tracking_uri` (default: the
+    configured one); anything else is refused (UntrustedModelError: the pyfunc is unpickled)."""
     if (model_uri is None) == (name is None):
         raise ValueError("load_resource_model: give either model_uri or name (with an optional version)")
-    if tracking_uri:
-        mlflow.set_tracking_uri(tracking_uri)
+    store = TrackingStore(tracking_uri)
     if name is not None:
-        v = "latest" if version is None else str(version)
-        model_uri = f"models:/{name}/{v}" if v.isdigit() or v == "latest" else f"models:/{name}@{v}"
+        model_uri = model_ref(name, version)
+    assert model_uri is not None
     try:
-        return mlflow.pyfunc.load_model(model_uri)
+        return load_trusted(store, model_uri, mlflow.pyfunc.load_model)
     except MlflowException as e:
         raise MlflowException(f"resource model {model_uri!r} cannot be loaded: {e.message}") from e
 

@@ -17,6 +17,7 @@ from mlflow.entities import RunStatus
 
 from recforge.settings import recforge_home
 from recforge.tracking.metrics import log_metric_batch
+from recforge.tracking.outage import PatientClient, bound_mlflow_request_retries
 
 RUN_KEY_TAG = "recforge.run_key"
 STAGE_TAG = "recforge.stage"
@@ -47,7 +48,9 @@ class TrackingStore:
         self.artifact_root = Path(artifact_root) if artifact_root else default_artifact_root()
         if self.tracking_uri.startswith("sqlite:///"):
             Path(self.tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        bound_mlflow_request_retries()
+        # every call waits out an unreachable server for a bounded time, then fails naming it (tracking/outage.py)
+        self.client: Any = PatientClient(MlflowClient(tracking_uri=self.tracking_uri), self.tracking_uri)
 
     # experiments -------------------------------------------------------------------------------
     def experiment_id(self, name: str) -> str:

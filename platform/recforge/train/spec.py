@@ -27,6 +27,9 @@ class WorkerSpec(BaseModel):
     train: TrainConfig
     master_url: str | None = Field(None, min_length=1, description="job master base URL, e.g. http://127.0.0.1:PORT; "
                                    "the launcher (recforge.elastic.job.run_training_job) fills it in")
+    master_token_file: Path | None = Field(
+        None, description="file holding the job master's bearer token (run_training_job writes <state_dir>/"
+                          "master.token, or names the mounted Secret); read by the workers, never logged")
     checkpoint_dir: Path = Field(description="DCP checkpoint written here at the end (temp + rename)")
     output_dir: Path = Field(description="rank 0 writes result.json and probe.pt here")
     threads_per_worker: int = Field(1, ge=1)

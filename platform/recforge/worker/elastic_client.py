@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from recforge.elastic.agent.client import MasterClient
+from recforge.elastic.agent.client import MasterClient, read_token_file
 from recforge.elastic.master.failover import record_exception
 from recforge.train.spec import WorkerSpec
 
@@ -18,7 +18,9 @@ def join_master(spec: WorkerSpec, rank: int, generation: int) -> MasterClient:
     """A client of the job master, joined (it leases data-shard tasks and receives stop commands)."""
     if spec.master_url is None:  # WorkerSpec.load refuses such a spec; this is for a spec built in-process
         raise ValueError("master_url: required to join the job master (run_training_job fills it in)")
-    client = MasterClient(spec.master_url, worker_id=f"rank{rank}-{os.getpid()}", generation=generation,
+    # the spec names the token's file (run_training_job's or the mounted Secret); else the environment's
+    token = read_token_file(spec.master_token_file) if spec.master_token_file is not None else None
+    client = MasterClient(spec.master_url, worker_id=f"rank{rank}-{os.getpid()}", token=token, generation=generation,
                           max_attempts=spec.recovery.master_retry_attempts)
     client.join()
     return client

@@ -3,13 +3,13 @@ group, exit code; the training itself is recforge.worker.trainer.run.
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (without them it runs as a
 single rank). A failing rank records its exception for the failover policy before it exits. A rank under torchrun
-dies with it (PR_SET_PDEATHSIG): a killed train task leaves no worker behind to overlap its retry.
+dies with it (SIGKILL by PR_SET_PDEATHSIG, die_with_launcher), and torchrun with the process that launched it: a
+killed train task leaves no worker behind to overlap its retry.
 """
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import sys
 import warnings
@@ -17,7 +17,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from recforge.elastic.backends.local import set_parent_death_signal
+from recforge.elastic.backends.local import die_with_launcher
 from recforge.train.spec import WorkerSpec
 from recforge.worker.elastic_client import record_failure
 
@@ -51,10 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m recforge.worker SPEC_JSON", file=sys.stderr)
         return 2
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: die with it (SIGKILL of the train task included)
-        set_parent_death_signal(signal.SIGKILL)
-        if os.getppid() == 1:  # torchrun is already gone
-            return 1
+    die_with_launcher()  # under torchrun: SIGKILL with it (a killed train task takes torchrun, torchrun the ranks)
     rank, world_size, local_rank = _env()
     _quiet_logs(rank)
     from recforge.worker.trainer import run  # lazy: after _quiet_logs (importing fbgemm adds a root log handler)

@@ -1,16 +1,22 @@
 """Worker-side client of the job master: lease data-shard tasks, report them done or release their rest.
 
-`lease()` returning None ends the worker's current epoch. Every call carries the worker's launch generation (the
-master refuses older ones); connection errors, timeouts and 5xx answers are retried with backoff, which is safe
-because done / release / lease are idempotent on the master. Endpoints: recforge.elastic.master.service.
+`lease()` returning None ends the worker's current epoch. Every call carries the job's bearer token and the worker's
+launch generation (the master refuses older ones); connection errors, timeouts and 5xx answers are retried with
+backoff, which is safe because done / release / lease are idempotent on the master; a 401 (wrong token) is not.
+Endpoints: recforge.elastic.master.service.
 Design: docs/fault_tolerance.md#data-shard-tasks.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import secrets
+import ssl
+import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,29 +26,88 @@ from recforge.elastic.master.tasks import Action, Task
 log = logging.getLogger(__name__)
 
 
+TOKEN_ENV = "RECFORGE_MASTER_TOKEN"
+TOKEN_FILE_ENV = "RECFORGE_MASTER_TOKEN_FILE"
+DEFAULT_WAIT_TIMEOUT_S = 600.0
+
+
 class MasterUnavailableError(ConnectionError):
     """The job master could not be reached after all retries."""
 
 
+class MasterAuthError(PermissionError):
+    """The job master refused the token (HTTP 401); retrying cannot help."""
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """One TLS context for all clients of the process (httpx builds a new one per client otherwise: ~0.4 s)."""
+    return ssl.create_default_context()
+
+
+def read_token_file(path: str | Path) -> str:
+    """The job master's token from a file (a Kubernetes Secret mount or `<state_dir>/master.token`)."""
+    path = Path(path)
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"job master token file not found: {path}") from e
+    if not token:
+        raise ValueError(f"job master token file {path} is empty")
+    return token
+
+
+def write_token_file(path: str | Path, token: str | None = None) -> str:
+    """Write `token` (None: a new random one) to `path`, mode 0600, temp file + rename; returns the token."""
+    token = token or secrets.token_urlsafe(32)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # created 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return token
+
+
+def resolve_token(token: str | None = None) -> str:
+    """`token`, else env RECFORGE_MASTER_TOKEN, else the file named by env RECFORGE_MASTER_TOKEN_FILE."""
+    if token:
+        return token
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    if os.environ.get(TOKEN_FILE_ENV):
+        return read_token_file(os.environ[TOKEN_FILE_ENV])
+    raise ValueError(f"no job master token: pass token=, or set {TOKEN_ENV} or {TOKEN_FILE_ENV} "
+                     "(the file run_training_job writes, or the mounted Secret)")
+
+
 class MasterClient:
-    """The job master's client for one worker. `generation` defaults to torchrun's TORCHELASTIC_RESTART_COUNT
-    (else 0); a call is tried `max_attempts` times in all, with exponential backoff, then MasterUnavailableError."""
+    """The job master's client for one worker. `token`: see `resolve_token`. `generation` defaults to torchrun's
+    TORCHELASTIC_RESTART_COUNT (else 0); a call is tried `max_attempts` times in all, with exponential backoff, then
+    MasterUnavailableError; a 401 raises MasterAuthError at once. `wait_timeout_s` bounds a lease's WAIT loop."""
 
     def __init__(
         self,
         url: str,
         worker_id: str,
         *,
+        token: str | None = None,
         generation: int | None = None,
         timeout_s: float = 10.0,
         max_attempts: int = 6,
         backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
         poll_interval_s: float = 0.5,
-        wait_timeout_s: float | None = None,
+        wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        if not wait_timeout_s > 0:
+            raise ValueError(f"wait_timeout_s must be > 0, got {wait_timeout_s}")
         self.url = url.rstrip("/")
         self.worker_id = worker_id
         self.generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if generation is None else generation
@@ -51,7 +116,8 @@ class MasterClient:
         self.max_backoff_s = max_backoff_s
         self.poll_interval_s = poll_interval_s
         self.wait_timeout_s = wait_timeout_s
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, verify=_ssl_context(),
+                                  headers={"Authorization": f"Bearer {resolve_token(token)}"})
         self._epoch: int | None = None
         self._finished = False
 
@@ -76,8 +142,8 @@ class MasterClient:
         A task may be a leftover of an older epoch that came back from a failed holder. After a None the client
         moves on to the next epoch by itself (`epoch`); once `finished`, lease() returns None at once. While the
         master still waits on in-flight tasks of the previous epoch (held by a worker that died outside this
-        group), it polls every `poll_interval_s` (TimeoutError after `wait_timeout_s`, when set)."""
-        deadline = None if self.wait_timeout_s is None else time.monotonic() + self.wait_timeout_s
+        group), it polls every `poll_interval_s`; TimeoutError after `wait_timeout_s` naming the epoch it waited for."""
+        deadline = time.monotonic() + self.wait_timeout_s
         while True:
             body = {
                 "worker_id": self.worker_id,
@@ -93,10 +159,11 @@ class MasterClient:
                     self._epoch = int(reply["epoch"])
                 return Task.model_validate(reply["task"])
             if action is Action.WAIT:
-                if deadline is not None and time.monotonic() > deadline:
+                if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"{self.worker_id}: waited {self.wait_timeout_s}s for epoch {self._epoch}; the master "
-                        f"is still at epoch {reply['epoch']} with tasks in flight"
+                        f"{self.worker_id}: waited {self.wait_timeout_s}s for epoch {self._epoch} to start; the "
+                        f"job master at {self.url} is still at epoch {reply['epoch']} with tasks in flight "
+                        "(held by workers that neither finish nor time out)"
                     )
                 time.sleep(self.poll_interval_s)
                 continue
@@ -190,6 +257,10 @@ class MasterClient:
         for attempt in range(1, self.max_attempts + 1):
             try:
                 resp = self._http.request(method, path, json=body)
+                if resp.status_code == 401:
+                    raise MasterAuthError(
+                        f"job master at {self.url} refused {method} {path} (HTTP 401): wrong or missing token; "
+                        f"check {TOKEN_ENV} / {TOKEN_FILE_ENV} or the spec's master_token_file")
                 if resp.status_code < 500:
                     if resp.status_code >= 400:
                         raise ValueError(f"job master {method} {path}: HTTP {resp.status_code}: {resp.text}")

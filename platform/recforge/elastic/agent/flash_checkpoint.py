@@ -6,6 +6,8 @@ A background thread copies every new complete snapshot (recforge.train.recovery.
 `<disk root>/step-N` (temp directory, sha256 of every file into CHECKSUMS.json, fsync, rename) and
 keeps the newest `keep`. When a worker dies, `persist_now()` saves what is in memory ("save at
 breakpoint"): the snapshot outlives the process that wrote it, tmpfs belongs to the machine.
+The memory root must stay a private directory of this user (recforge.train.recovery.private_dir): one that is not is
+never persisted from (its snapshots will be unpickled by a restarted group), and never removed.
 """
 from __future__ import annotations
 
@@ -21,21 +23,36 @@ import time
 from pathlib import Path
 
 from recforge.train.recovery.layout import CHECKSUMS_FILE, memory_problem, prune, step_dirs, step_name
+from recforge.train.recovery.private_dir import (
+    UnsafeDirectoryError,
+    drop_flash_dir,
+    ensure_private_dir,
+    make_private_root,
+    private_dir_problem,
+)
 
 log = logging.getLogger(__name__)
 
 
 class FlashPersister:
-    def __init__(self, memory_root: str | Path, disk_root: str | Path, *, keep: int = 2, poll_s: float = 0.2) -> None:
+    """`pointer`: the file recording `memory_root` (private_dir.write_pointer), removed with it by `cleanup`."""
+
+    def __init__(self, memory_root: str | Path, disk_root: str | Path, *, keep: int = 2, poll_s: float = 0.2,
+                 pointer: str | Path | None = None) -> None:
         self.memory_root, self.disk_root = Path(memory_root), Path(disk_root)
         self.keep, self.poll_s = keep, poll_s
+        self.pointer = Path(pointer) if pointer is not None else None
+        self.refused: str | None = None  # why the memory root was last refused (logged once per reason)
         self.persisted: dict[int, float] = {}  # step -> seconds the copy took
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> FlashPersister:
-        self.memory_root.mkdir(parents=True, exist_ok=True)
+        try:
+            ensure_private_dir(self.memory_root)
+        except UnsafeDirectoryError as e:  # the workers refuse it too and checkpoint to disk
+            self._refuse(str(e))
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="recforge-flash-persister", daemon=True)
         self._thread.start()
@@ -50,8 +67,9 @@ class FlashPersister:
             self.persist_now()
 
     def cleanup(self) -> None:
-        """Free the shared memory (after the job ended and what mattered is on disk)."""
-        shutil.rmtree(self.memory_root, ignore_errors=True)
+        """Free the shared memory (after the job ended and what mattered is on disk) and drop the pointer to it; a
+        directory that is not this user's private one is left alone."""
+        drop_flash_dir(self.memory_root, self.pointer)
 
     def on_disk(self) -> bool:
         """The newest complete snapshot in memory (if any) is persisted: the memory may go."""
@@ -67,6 +85,11 @@ class FlashPersister:
     def persist_now(self) -> Path | None:
         """Persist the newest complete snapshot unless it is on disk already; returns its disk path."""
         with self._lock:
+            problem = private_dir_problem(self.memory_root)
+            if problem is not None:
+                if os.path.lexists(self.memory_root):  # absent: nothing written yet (or freed), nothing to refuse
+                    self._refuse(f"refusing flash checkpoint directory {self.memory_root}: {problem}")
+                return None
             found = self.newest_complete()
             if found is None:
                 return None
@@ -85,7 +108,8 @@ class FlashPersister:
         tmp = self.disk_root / (step_name(step) + ".tmp")
         final = self.disk_root / step_name(step)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        make_private_root(self.disk_root)
+        tmp.mkdir()
         sums = {}
         for f in sorted(src.iterdir()):
             if not f.is_file() or f.name.startswith("done-rank"):
@@ -100,6 +124,11 @@ class FlashPersister:
         self.persisted[step] = took
         log.info("flash checkpoint step %d persisted to %s in %.3fs", step, final, took)
         return final
+
+    def _refuse(self, why: str) -> None:
+        if why != self.refused:
+            log.error("%s; its snapshots are not persisted (the workers checkpoint to disk)", why)
+        self.refused = why
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):

@@ -5,12 +5,16 @@ worker (recforge.elastic.backends.k8s_manifests.worker_pod: torchrun with c10d t
 plan's CPU / memory / GPU requests, job + launch + index labels, owned by the master pod).
 `wait` watches the pods' phases (list, then a watch stream, re-listing after every stream so no
 event is lost): all Succeeded -> 0; one Failed -> its container's exit code (137 and reason
-OOMKilled are reported as out of memory); a pod deleted or evicted -> -1. `stop` deletes the
+OOMKilled are reported as out of memory); a pod deleted or evicted -> -1; an explicit `timeout` that
+passes -> None (a poll); without one it waits `wait_timeout_s` and then raises TimeoutError naming the
+pods and their phases. Every API call carries a request timeout. `stop` deletes the
 launch's pods; `cleanup` deletes everything of the job (pods and Service). `grow_memory` is how the
 failover policy's "relaunch with more memory" reaches the next launch.
 
 The master must be reachable from the pods: `master_hosts` tells run_training_job to bind on all
-interfaces and to advertise the master pod's IP (POD_IP, from the downward API).
+interfaces and to advertise the master pod's IP (POD_IP, from the downward API); a NetworkPolicy
+(infra/network/) and the job's token (the Secret `settings.token_secret`, mounted into every worker pod)
+keep everyone else out. `create_master_token_secret` is how whoever starts a master pod makes that Secret.
 """
 from __future__ import annotations
 
@@ -18,7 +22,9 @@ import hashlib
 import logging
 import os
 import re
+import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,12 +33,16 @@ from recforge.elastic.backends.base import JobFailedError
 from recforge.elastic.backends.k8s_manifests import (
     GENERATION_LABEL,
     JOB_LABEL,
+    MLFLOW_SECRET_ENV,
+    TOKEN_SECRET_ENV,
     WORKER_APP,
     JobPodSettings,
     PodResources,
+    master_token_secret,
     rdzv_service_name,
     rendezvous_service,
     selector,
+    token_secret_name,
     validate,
     worker_pod,
 )
@@ -78,10 +88,11 @@ class K8sHandle:
 
 
 class KubernetesBackend:
-    """`settings`: namespace, job id, image, data volume. `memory`: each worker pod's request (and limit);
-    CPU requests follow the plan's threads per worker. `owner`: the master pod ({apiVersion, kind, name,
+    """`settings`: namespace, job id, image, data volume, token Secret. `memory`: each worker pod's request (and
+    limit); CPU requests follow the plan's threads per worker. `owner`: the master pod ({apiVersion, kind, name,
     uid}; default from POD_NAME / POD_UID). `api_client`: a kubernetes.client.ApiClient (default: in-cluster
-    config, else the kubeconfig)."""
+    config, else the kubeconfig). `wait_timeout_s`: how long `wait` waits when not told; `request_timeout_s`:
+    each API call's."""
 
     max_restarts = 0  # torchrun in the pods restarts nothing: every relaunch is the supervisor's
 
@@ -89,6 +100,7 @@ class KubernetesBackend:
         self, settings: JobPodSettings, *, memory: str = "4Gi", gpus_per_worker: int = 0,
         owner: dict[str, str] | None = None, flash_agent: dict[str, str] | None = None, api_client: Any = None,
         poll_s: float = 2.0, tail_lines: int = 80, delete_grace_s: int = 30, validate_manifests: bool = True,
+        wait_timeout_s: float = 24 * 3600.0, request_timeout_s: float = 60.0,
     ) -> None:
         self.settings = settings
         self.memory = memory_quantity(memory_bytes(memory))
@@ -98,6 +110,7 @@ class KubernetesBackend:
         self._api = api_client
         self.poll_s, self.tail_lines, self.delete_grace_s = poll_s, tail_lines, delete_grace_s
         self.validate_manifests = validate_manifests
+        self.wait_timeout_s, self.request_timeout_s = wait_timeout_s, request_timeout_s
         self._launches = 0
 
     # ---- the client ------------------------------------------------------------------------
@@ -128,7 +141,7 @@ class KubernetesBackend:
         svc = rendezvous_service(self.settings, self.owner)
         self._check(svc)
         try:
-            core.create_namespaced_service(ns, svc)
+            self._call("create Service", core.create_namespaced_service, ns, svc)
         except ApiException as e:
             if e.status != 409:  # it exists already: one Service per job, reused by every launch
                 raise
@@ -141,22 +154,29 @@ class KubernetesBackend:
                 procs_per_pod=max(1, self.gpus_per_worker),
             )
             self._check(pod)
-            core.create_namespaced_pod(ns, pod)
+            self._call("create Pod", core.create_namespaced_pod, ns, pod)
             pods.append(pod["metadata"]["name"])
         log.info("launch %d: created %d worker pod(s) in %s (%s, memory %s)", generation, len(pods), ns,
                  rdzv_service_name(self.settings.job_id), self.memory)
         return K8sHandle(generation=generation, pods=pods, plan=plan, phases={p: "Pending" for p in pods})
 
     def wait(self, handle: K8sHandle, timeout: float | None = None, check: bool = True) -> int | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """The launch's exit code; None when an explicit `timeout` passes first. Without one, TimeoutError after
+        `wait_timeout_s`, naming the pods and their phases."""
+        limit = self.wait_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
         while True:
             self._relist(handle)
             code = self._outcome(handle)
             if code is None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return None
-                self._watch(handle, self.poll_s if left is None else min(left, self.poll_s))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if timeout is not None:
+                        return None
+                    raise TimeoutError(
+                        f"worker pods {handle.pods} of launch {handle.generation} in namespace "
+                        f"{self.settings.namespace} did not finish within {limit:g} s (phases {handle.phases})")
+                self._watch(handle, min(left, self.poll_s))
                 code = self._outcome(handle)
             if code is not None:
                 handle.exit_code = code
@@ -174,7 +194,8 @@ class KubernetesBackend:
 
         for name in handle.pods:
             try:
-                self.core.delete_namespaced_pod(name, self.settings.namespace, grace_period_seconds=self.delete_grace_s)
+                self._call("delete Pod", self.core.delete_namespaced_pod, name, self.settings.namespace,
+                           grace_period_seconds=self.delete_grace_s)
             except ApiException as e:
                 if e.status != 404:
                     raise
@@ -187,10 +208,12 @@ class KubernetesBackend:
         out = []
         for name in handle.failed or handle.pods:
             try:
-                text = self.core.read_namespaced_pod_log(name, self.settings.namespace, container="worker",
-                                                         tail_lines=self.tail_lines)
+                text = self._call("read Pod log", self.core.read_namespaced_pod_log, name, self.settings.namespace,
+                                  container="worker", tail_lines=self.tail_lines)
             except ApiException as e:
                 text = f"(no log: HTTP {e.status})"
+            except TimeoutError as e:
+                text = f"(no log: {e})"
             reason = handle.reasons.get(name)
             out.append(f"--- pod {name} ({handle.phases.get(name)}{', ' + reason if reason else ''}) ---\n{text}")
         return "\n".join(out)
@@ -214,20 +237,25 @@ class KubernetesBackend:
         from kubernetes.client import ApiException  # lazy: the kubernetes client only when this backend runs
 
         core, ns = self.core, self.settings.namespace
-        for pod in core.list_namespaced_pod(ns, label_selector=selector(self.settings.job_id)).items:
+        for pod in self._call("list Pods", core.list_namespaced_pod, ns,
+                              label_selector=selector(self.settings.job_id)).items:
             if _labels(pod).get(JOB_LABEL) == self.settings.job_id:
                 try:
-                    core.delete_namespaced_pod(pod.metadata.name, ns, grace_period_seconds=self.delete_grace_s)
+                    self._call("delete Pod", core.delete_namespaced_pod, pod.metadata.name, ns,
+                               grace_period_seconds=self.delete_grace_s)
                 except ApiException as e:
                     if e.status != 404:
                         raise
         try:
-            core.delete_namespaced_service(rdzv_service_name(self.settings.job_id), ns)
+            self._call("delete Service", core.delete_namespaced_service, rdzv_service_name(self.settings.job_id), ns)
         except ApiException as e:
             if e.status != 404:
                 raise
 
     # ---- internals -------------------------------------------------------------------------
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return call_api(what, fn, *args, timeout_s=self.request_timeout_s, **kwargs)
+
     def _check(self, manifest: dict[str, Any]) -> None:
         if self.validate_manifests:
             validate(manifest)
@@ -257,8 +285,8 @@ class KubernetesBackend:
                     handle.reasons[name] = term.reason
 
     def _relist(self, handle: K8sHandle) -> None:
-        items = self.core.list_namespaced_pod(self.settings.namespace,
-                                              label_selector=selector(self.settings.job_id, handle.generation)).items
+        items = self._call("list Pods", self.core.list_namespaced_pod, self.settings.namespace,
+                           label_selector=selector(self.settings.job_id, handle.generation)).items
         seen = set()
         for pod in items:
             if self._mine(pod, handle):
@@ -300,6 +328,38 @@ class KubernetesBackend:
         return None
 
 
+def call_api(what: str, fn: Callable[..., Any], *args: Any, timeout_s: float = 60.0, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` with a request timeout; a timeout or a dropped connection is a TimeoutError naming
+    `what` (a Kubernetes API call that would otherwise wait as long as the server keeps the socket open)."""
+    from urllib3.exceptions import MaxRetryError, ProtocolError, ReadTimeoutError  # lazy: comes with the client
+
+    try:
+        return fn(*args, _request_timeout=timeout_s, **kwargs)
+    except (ReadTimeoutError, MaxRetryError, ProtocolError, TimeoutError) as e:
+        raise TimeoutError(f"Kubernetes API call '{what}' got no answer within {timeout_s:g} s: {e}") from e
+
+
+def create_master_token_secret(core: Any, namespace: str, pod_name: str, pod_uid: str, *,
+                               request_timeout_s: float = 60.0) -> str:
+    """Generate a job master token and store it in the Secret `token_secret_name(pod_name)`, owned by that pod (it
+    is deleted with it). A Secret that exists already (the operator re-attached to a running pod) is kept: the pod
+    holds its token. Returns the Secret's name; the token itself is never returned, logged or written elsewhere."""
+    from kubernetes.client import ApiException  # lazy: the kubernetes client only where pods are created
+
+    name = token_secret_name(pod_name)
+    owner = {"apiVersion": "v1", "kind": "Pod", "name": pod_name, "uid": pod_uid}
+    manifest = master_token_secret(namespace, name, secrets.token_urlsafe(32), owner)
+    try:
+        call_api(f"create Secret {name}", core.create_namespaced_secret, namespace, manifest,
+                 timeout_s=request_timeout_s)
+        log.info("created the master token Secret %s/%s (owned by pod %s)", namespace, name, pod_name)
+    except ApiException as e:
+        if e.status != 409:
+            raise
+        log.info("master token Secret %s/%s exists already: kept", namespace, name)
+    return name
+
+
 def _labels(pod: Any) -> dict[str, str]:
     return dict((pod.metadata.labels or {}) if pod.metadata is not None else {})
 
@@ -314,7 +374,8 @@ def _owner_from_env() -> dict[str, str] | None:
 def backend_from_environment(state_dir: str | Path) -> KubernetesBackend:
     """The backend of a master running in a pod (master_pod / the Airflow KubernetesPodOperator):
     namespace from POD_NAMESPACE, image from RECFORGE_IMAGE, worker memory from RECFORGE_WORKER_MEMORY,
-    GPUs from RECFORGE_WORKER_GPUS, the job id from the state directory's name."""
+    GPUs from RECFORGE_WORKER_GPUS, the token Secret its workers mount from RECFORGE_MASTER_TOKEN_SECRET, MLflow
+    credentials from RECFORGE_MLFLOW_SECRET, the job id from the state directory's name."""
     image = os.environ.get("RECFORGE_IMAGE")
     if not image:
         raise ValueError("resources.backend='kubernetes' needs RECFORGE_IMAGE (the worker image) in the environment")
@@ -324,6 +385,8 @@ def backend_from_environment(state_dir: str | Path) -> KubernetesBackend:
         namespace=os.environ.get("POD_NAMESPACE", "recforge"), job_id=job_id, image=image,
         data_claim=os.environ.get("RECFORGE_DATA_CLAIM", "recforge-data"),
         data_mount=os.environ.get("RECFORGE_HOME", "/var/lib/recforge"),
+        token_secret=os.environ.get(TOKEN_SECRET_ENV) or None,
+        mlflow_secret=os.environ.get(MLFLOW_SECRET_ENV) or None,
     )
     return KubernetesBackend(settings, memory=os.environ.get("RECFORGE_WORKER_MEMORY", "4Gi"),
                              gpus_per_worker=int(os.environ.get("RECFORGE_WORKER_GPUS", "0")))

@@ -8,12 +8,17 @@ never overwrites the dead group's lines). torchrun restarts the whole group up t
 when a worker fails (workers see TORCHELASTIC_RESTART_COUNT, which MasterClient sends as its
 launch generation).
 
-No orphans: torchrun gets SIGTERM when the launching thread's process dies (PR_SET_PDEATHSIG, SIGKILL
-included) and stops its workers; `recforge.worker` sets the same on itself against torchrun.
+No orphans (docs/fault_tolerance.md#shutdown-and-orphans): torchrun gets SIGKILL the moment the process that
+launched it dies (PR_SET_PDEATHSIG, a SIGKILL of that process included; torchrun's own SIGTERM path would give its
+workers a 30 s grace), and every rank kills itself with torchrun (`die_with_launcher`, called by recforge.worker).
+`stop` terminates torchrun and every worker's process group together and SIGKILLs what is left after a grace;
+`cleanup` stops every group this backend launched. A group that exited because someone else sent it SIGTERM
+(`terminated_by`) is a shutdown, which the supervisor does not relaunch.
 `LogRelay` follows the log into a Python logger (the train task's Airflow log).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -25,7 +30,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -36,8 +41,16 @@ from recforge.elastic.backends.base import JobFailedError
 from recforge.elastic.policy import ResourcePlan
 from recforge.train.distributed import free_port
 
+log = logging.getLogger(__name__)
+
 DEFAULT_WORKER_MODULE = "recforge.worker"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# termination requests: a group that exits on one of these, sent by someone else, was shut down, not failed
+_TERMINATION = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"}
+# torchrun's own lines when it (or a rank) dies of a signal (torch.distributed.elastic, agent/server/api.py and the
+# error summary of multiprocessing/errors)
+_AGENT_SIGNALLED = re.compile(r"Received (\d+|SIG[A-Z]+) death signal, shutting down workers")
+_RANK_SIGNALLED = re.compile(r"Signal (\d+) \((SIG[A-Z]+)\) received by PID (\d+)")
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> bool:
@@ -57,6 +70,37 @@ def set_parent_death_signal(sig: int = signal.SIGKILL, expected_parent: int | No
     return True
 
 
+def die_with_launcher() -> bool:
+    """For a rank under torchrun, first thing: SIGKILL this process when torchrun exits (killed included), and
+    die now if torchrun is already gone. False outside torchrun or where prctl is unavailable."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    parent = os.getppid()
+    if not set_parent_death_signal(signal.SIGKILL, parent):
+        return False
+    try:  # torchrun died before this process read its parent: the parent is a reaper now
+        launcher = Path(f"/proc/{parent}/cmdline").read_bytes()
+    except OSError:
+        launcher = b""
+    if b"torch.distributed.run" not in launcher and b"torchrun" not in launcher:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+_DEFERRED = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGTERM / SIGINT / SIGHUP in this thread while a group is started and recorded: a shutdown delivered
+    in between would raise after the fork but before `cleanup` can find the group. Delivered right after."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 @dataclass
 class LocalHandle:
     proc: subprocess.Popen
@@ -67,6 +111,7 @@ class LocalHandle:
     _log: IO[bytes] | None = field(default=None, repr=False)
     exit_code: int | None = None
     log_offset: int = 0  # where this launch's lines start in the (appended) log
+    stopped: bool = False  # stop() ended the group (its exit is not the group's own)
 
 
 class LocalBackend:
@@ -94,6 +139,7 @@ class LocalBackend:
         self.cwd = Path(cwd) if cwd is not None else None
         self.tail_lines = tail_lines
         self.stop_grace_s = stop_grace_s
+        self._live: list[LocalHandle] = []  # launched and not yet seen to exit (cleanup stops them)
 
     def command(self, spec_path: Path, plan: ResourcePlan, rdzv_endpoint: str) -> list[str]:
         return [
@@ -124,21 +170,29 @@ class LocalBackend:
         env["OMP_NUM_THREADS"] = str(plan.threads_per_worker)
         env["MKL_NUM_THREADS"] = str(plan.threads_per_worker)
         env["PYTHONUNBUFFERED"] = "1"
-        log = open(log_path, "ab")  # noqa: SIM115 (closed in wait/stop); appended: a relaunch keeps the dead group's
-        offset = log.tell()
+        # torchrun's own grace between SIGTERM and SIGKILL of its ranks (default 30 s)
+        env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(max(1, int(self.stop_grace_s))))
+        log_file = open(log_path, "ab")  # noqa: SIM115 (closed in wait/stop); appended: a relaunch keeps the dead group's
+        offset = log_file.tell()
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        log.write((f"=== {stamp} launch: {plan.workers} worker(s) x {plan.threads_per_worker} thread(s), "
-                   f"spec {spec_path}\n$ " + " ".join(cmd) + "\n").encode())
-        log.flush()
+        log_file.write((f"=== {stamp} launch: {plan.workers} worker(s) x {plan.threads_per_worker} thread(s), "
+                        f"spec {spec_path}\n$ " + " ".join(cmd) + "\n").encode())
+        log_file.flush()
         parent = os.getpid()
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, cwd=self.cwd, start_new_session=True,
-            # torchrun stops its workers on SIGTERM; the workers themselves die with torchrun (recforge.worker)
-            preexec_fn=lambda: set_parent_death_signal(signal.SIGTERM, parent),
-        )
-        return LocalHandle(proc=proc, cmd=cmd, log_path=log_path, plan=plan, rdzv_endpoint=endpoint, _log=log,
-                           log_offset=offset)
+
+        def in_child() -> None:  # torchrun dies with this process; the ranks die with torchrun (die_with_launcher)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _DEFERRED)
+            set_parent_death_signal(signal.SIGKILL, parent)
+
+        with _signals_deferred():
+            proc = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, cwd=self.cwd, start_new_session=True, preexec_fn=in_child,
+            )
+            handle = LocalHandle(proc=proc, cmd=cmd, log_path=log_path, plan=plan, rdzv_endpoint=endpoint,
+                                 _log=log_file, log_offset=offset)
+            self._live.append(handle)
+        return handle
 
     def wait(self, handle: LocalHandle, timeout: float | None = None, check: bool = True) -> int | None:
         try:
@@ -156,20 +210,47 @@ class LocalBackend:
         return code
 
     def stop(self, handle: LocalHandle) -> None:
-        """SIGTERM torchrun's process group (torchrun stops its workers), then SIGKILL whatever of the
-        tree is left after `stop_grace_s` (workers live in their own sessions, so they are found first)."""
+        """SIGTERM torchrun's process group and every worker's (the ranks live in sessions of their own, so the
+        tree is noted first), then SIGKILL whatever is left after `stop_grace_s`. Idempotent."""
         if handle.proc.poll() is None:
+            handle.stopped = True
             tree = _descendants(handle.proc.pid)
-            _signal_group(handle.proc.pid, signal.SIGTERM)
+            for pgid in [handle.proc.pid, *(p.pid for p in tree)]:
+                _signal_group(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_grace_s
             try:
                 handle.proc.wait(timeout=self.stop_grace_s)
             except subprocess.TimeoutExpired:
+                log.warning("torchrun (pid %d) did not stop within %.0fs of SIGTERM: SIGKILL", handle.proc.pid,
+                            self.stop_grace_s)
                 _signal_group(handle.proc.pid, signal.SIGKILL)
-                handle.proc.wait()
-            deadline = time.monotonic() + self.stop_grace_s
+                handle.proc.wait(timeout=self.stop_grace_s)  # SIGKILL: bounded all the same (a D-state process)
             for p in tree:
                 _kill_when_alive(p, deadline)
         self._finish(handle, handle.proc.returncode)
+
+    def cleanup(self) -> None:
+        """Stop every group this backend launched that still runs (run_training_job calls it on the way out)."""
+        for handle in list(self._live):
+            self.stop(handle)
+
+    def terminated_by(self, handle: LocalHandle) -> str | None:
+        """Why the group exited, when it was a termination signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) that someone
+        other than this backend sent to torchrun or to a rank: a shutdown, not a failure. None otherwise."""
+        if handle.stopped or handle.exit_code in (0, None):
+            return None
+        tail = self.log_tail(handle)
+        for m in _AGENT_SIGNALLED.finditer(tail):
+            name = m.group(1) if m.group(1).startswith("SIG") else _signal_name(int(m.group(1)))
+            if name in _TERMINATION:
+                return f"torchrun received {name} from outside the job"
+        # torchrun SIGTERMs the rest of a group once a rank failed and lists those too: only the first observed
+        # failure tells why the group ended
+        _, header, root = tail.rpartition("Root Cause (first observed failure):")
+        first = _RANK_SIGNALLED.search(root.split("=" * 20)[0]) if header else None
+        if first is not None and first.group(2) in _TERMINATION:
+            return f"a rank (pid {first.group(3)}) received {first.group(2)} from outside the job, the first to fail"
+        return None
 
     def worker_memory(self, handle: LocalHandle) -> list[float]:
         """Resident memory (bytes) of each worker process, by rank where the process says it (RANK)."""
@@ -197,19 +278,28 @@ class LocalBackend:
             return "(no log)"
         return b"".join(lines).decode(errors="replace").rstrip()
 
-    @staticmethod
-    def _finish(handle: LocalHandle, code: int | None) -> None:
+    def _finish(self, handle: LocalHandle, code: int | None) -> None:
         handle.exit_code = code
+        if handle in self._live and code is not None:
+            self._live.remove(handle)
         if handle._log is not None:
             handle._log.close()
             handle._log = None
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Signal the process group `pgid` (a session leader's pid is its group's id); gone already: nothing."""
     try:
         os.killpg(pgid, sig)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return str(num)
 
 
 def _descendants(pid: int) -> list:
@@ -219,11 +309,15 @@ def _descendants(pid: int) -> list:
         return []
 
 
-def _kill_when_alive(proc, deadline: float) -> None:
+def _kill_when_alive(proc: psutil.Process, deadline: float) -> None:
+    """Wait for `proc` until `deadline`, then SIGKILL it and its process group."""
     try:
         proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     except psutil.TimeoutExpired:
-        proc.kill()
+        log.warning("worker process %d outlived its grace: SIGKILL", proc.pid)
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+        _signal_group(proc.pid, signal.SIGKILL)
     except psutil.NoSuchProcess:
         pass
 

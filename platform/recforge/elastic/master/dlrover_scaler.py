@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from recforge.elastic.master.supervisor import Rescale
+from recforge.elastic.optimizer.errors import MODEL_ERRORS
 from recforge.elastic.optimizer.events import Event
 from recforge.elastic.optimizer.observation import Observation
 from recforge.elastic.optimizer.plans import PodPlan, optimizer_config
@@ -97,7 +98,7 @@ class DLRoverScaler:
     def _run(self, stage: str, fn: Callable[[Observation], list[Event]], obs: Observation) -> list[Event]:
         try:
             return fn(obs)
-        except Exception as e:  # the optimizer must never take the training job down
+        except MODEL_ERRORS as e:  # a degenerate model must not take the training job down; a bug propagates
             log.exception("DLRover stage %s failed", stage)
             return [Event(stage, "fallback", f"{stage} stage failed ({type(e).__name__}: {e}); plan kept",
                           plan_before=obs.plan.to_dict(), time_s=obs.time_s)]

@@ -4,11 +4,15 @@ One loop per job, next to the job master (run_training_job). Every launch gets a
 and worker spec; while the group runs, the supervisor watches for a hang, a scale decision (`scaler`, or POST
 /scale to the master) and the overall timeout. When the group exits the job is done, relaunched at a new size or
 shape (a `Rescale`), relaunched after a failure as the `FailoverPolicy` decides, or given up with a
-JobFailedError naming the reason. Design: docs/fault_tolerance.md#the-supervisor.
+JobFailedError naming the reason. A shutdown is not a failure: once `shutdown()` was called (the owner's SIGTERM,
+recforge.elastic.shutdown), the master stopped, or the group was terminated from outside (the backend's
+`terminated_by`), the group is stopped, nothing is relaunched and JobCancelled is raised.
+Design: docs/fault_tolerance.md#the-supervisor and #shutdown-and-orphans.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -19,6 +23,7 @@ from recforge.elastic.backends.base import Backend, JobFailedError
 from recforge.elastic.master.failover import FailoverPolicy, Failure, read_records
 from recforge.elastic.master.service import JobMaster, MasterRejection
 from recforge.elastic.policy import ResourcePlan
+from recforge.elastic.shutdown import JobCancelled
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +69,7 @@ class Attempt:
     workers: int
     grad_accumulation: int
     exit_code: int | None
-    outcome: str  # "finished" | "rescaled" | "failed" | "stopped"
+    outcome: str  # "finished" | "rescaled" | "failed" | "stopped" (a shutdown, or the group stopped on its own)
     failure: str | None = None
     decision: str | None = None
     wall_s: float = 0.0
@@ -113,11 +118,50 @@ class Supervisor:
         self._decision: Rescale | None = None  # the scaler's decision behind the master's pending scale request
         self._relaunch_now: Rescale | None = None
         self._launched_at = time.monotonic()
+        self._shutdown = threading.Event()
+        self._shutdown_reason = ""
+        self._open: tuple[Any, list[int], float] | None = None  # the running launch, not yet recorded
+
+    def shutdown(self, reason: str = "shutdown requested") -> None:
+        """Stop the running group and relaunch nothing (callable from a signal handler or another thread)."""
+        if not self._shutdown.is_set():
+            self._shutdown_reason = reason
+            self._shutdown.set()
+
+    def _stopping(self) -> str | None:
+        """Why the job is shutting down (a shutdown() call, the master stopped), or None."""
+        if self._shutdown.is_set():
+            return self._shutdown_reason
+        if getattr(self.master, "stopping", False):
+            return "the job master stopped"
+        return None
 
     def run(self) -> SupervisorResult:
+        """Launch, watch and relaunch until the job is done; JobCancelled on a shutdown (the group stopped)."""
+        try:
+            return self._run()
+        except (JobCancelled, KeyboardInterrupt) as e:  # the owner's SIGTERM / SIGINT raised in the middle of a launch
+            self.shutdown(str(e) or type(e).__name__)
+            if self._open is not None:
+                handle, generations, t0 = self._open
+                self._open = None
+                self.backend.stop(handle)
+                attempt = Attempt(generations=generations, workers=self.plan.workers,
+                                  grad_accumulation=self.grad_accumulation,
+                                  exit_code=getattr(handle, "exit_code", None), outcome="stopped",
+                                  decision=f"shutdown, not relaunched: {e or type(e).__name__}",
+                                  wall_s=time.monotonic() - t0)
+                self.attempts.append(attempt)
+                self._record(attempt)
+            raise
+
+    def _run(self) -> SupervisorResult:
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         base = max(self.first_generation, self.master.queue.generation)
         while True:
+            why = self._stopping()
+            if why is not None:  # nothing is launched during a shutdown
+                raise JobCancelled(f"{why}: no worker group launched")
             self.grad_accumulation = self.accumulation(self.plan.workers)
             spec_path = self.write_spec(base, self.grad_accumulation, self.plan)
             self.master.touch_progress()
@@ -125,6 +169,7 @@ class Supervisor:
             log.info("launch: %d worker(s), generation %d, gradient accumulation %d", self.plan.workers, base,
                      self.grad_accumulation)
             self.handle = handle = self.backend.launch(spec_path, self.plan)
+            self._open = (handle, [base], t0)
             code, hang = self._watch(handle, deadline, base)
             self.backend.stop(handle)  # what is left of the group (a pod still running next to a failed one)
             span = max(int(getattr(self.backend, "max_restarts", 0)), self.master.queue.generation - base, 0)
@@ -134,7 +179,16 @@ class Supervisor:
                               grad_accumulation=self.grad_accumulation, exit_code=code, outcome="failed",
                               wall_s=time.monotonic() - t0)
             self.attempts.append(attempt)
+            self._open = None
             base = base + span + 1
+            finished = code == 0 and hang is None and self.master.queue.finished
+            why = None if finished else self._stopping() or self._terminated(handle, code, hang)
+            if why is not None:  # a shutdown, not a failure: relaunch nothing
+                attempt.outcome, attempt.decision = "stopped", f"shutdown, not relaunched: {why}"
+                self._drop_decision("the job is shutting down")
+                self._record(attempt)
+                log.warning("worker group stopped by a shutdown (%s): nothing is relaunched", why)
+                raise JobCancelled(f"{why}: the worker group was stopped and is not relaunched")
             now, self._relaunch_now = self._relaunch_now, None
             if now is not None:  # killed on the scaler's word (pods pending): not a failure
                 attempt.outcome = "rescaled"
@@ -203,9 +257,14 @@ class Supervisor:
                 return code, None
             if self.master.queue.finished and self.master.pending_scale is not None:
                 self.master.take_scale()  # nothing left to rescale for
+            if self._stopping() is not None:
+                self.backend.stop(handle)
+                return getattr(handle, "exit_code", None), None
             age = self.master.progress_age()
             joined = any(st.generation >= base for st in list(self.master.workers.values()))
             limit = self.failover.hang_timeout_s if joined else self.failover.startup_timeout_s
+            if joined and self.master.queue.finished:  # every row trained: the final save is no training progress
+                limit = max(limit, self.failover.startup_timeout_s)
             if age > limit:
                 why = (f"no training progress for {age:.0f}s (hang timeout {limit:.0f}s)" if joined else
                        f"no worker joined the master within {age:.0f}s of the launch (startup timeout {limit:.0f}s)")
@@ -280,6 +339,15 @@ class Supervisor:
         log.warning("%s", text)
         decision.report(True, text)
         return text
+
+    def _terminated(self, handle: Any, code: int | None, hang: str | None) -> str | None:
+        """Why the group exited, when a termination signal from outside the job ended it (the backend's
+        `terminated_by`; a hang kill and a clean exit are not)."""
+        fn = getattr(self.backend, "terminated_by", None)
+        if fn is None or code == 0 or hang is not None:
+            return None
+        why = fn(handle)
+        return None if why is None else f"{why} (exit code {code})"
 
     def _record(self, attempt: Attempt) -> None:
         if self.on_attempt is not None:

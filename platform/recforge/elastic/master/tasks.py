@@ -4,11 +4,14 @@ Every epoch the shards are cut into tasks of at most `rows_per_task` rows; a tas
 -> DONE, at least once per row: an expired lease, or one of an older launch generation, goes back to TODO as a
 retry, and the `max_retries`-th such failure quarantines the task as POISON. Time is passed in (`now`, wall-clock
 seconds, so that deadlines survive persistence). `request()` decides a lease call; `Grant` lists its four answers.
+Indexes (TODO keys, DOING records per worker, counts) keep every call independent of the queue's size; with
+`track_changes()` the queue records what changed (`drain_changes`) for the master's incremental log.
 Design: docs/fault_tolerance.md#data-shard-tasks.
 """
 from __future__ import annotations
 
 import bisect
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -99,8 +102,10 @@ class _Record:
         return (self.order, self.task.row_start, self.task.task_id)
 
     def to_dict(self) -> dict[str, Any]:
+        t = self.task
         return {
-            "task": self.task.model_dump(),
+            "task": {"task_id": t.task_id, "epoch": t.epoch, "shard": t.shard, "row_start": t.row_start,
+                     "row_end": t.row_end},
             "order": self.order,
             "state": self.state.value,
             "worker_id": self.worker_id,
@@ -122,6 +127,11 @@ class _Record:
         )
 
 
+def _todo_key(rec: _Record) -> tuple[int, int, str]:
+    """Hand-out order reversed, so that taking the next TODO task pops the end of a list (no memmove)."""
+    return (-rec.order, -rec.task.row_start, rec.task.task_id)
+
+
 def _task_id(epoch: int, shard: int, row_start: int) -> str:
     # Unique within an epoch: task ranges of one epoch never overlap, so their starts differ.
     return f"e{epoch}-s{shard}-r{row_start}"
@@ -129,6 +139,16 @@ def _task_id(epoch: int, shard: int, row_start: int) -> str:
 
 class TaskQueue:
     """TODO / DOING / DONE data-shard tasks over `epochs` passes of the data. Not thread-safe."""
+
+    # the current epoch's records and their indexes (set by _reset_records)
+    _records: dict[str, _Record]
+    _todo: list[tuple[int, int, str]]
+    _doing: dict[str, _Record]
+    _held: dict[str, set[str]]
+    _counts: dict[TaskState, int]
+    _rows_done: int
+    _min_deadline: float
+    _bulk: bool
 
     def __init__(
         self,
@@ -159,11 +179,11 @@ class TaskQueue:
         self.shuffle_seed = shuffle_seed
         self.epoch = 0
         self.generation = 0
-        self._records: dict[str, _Record] = {}
-        self._todo: list[tuple[int, int, str]] = []  # sorted keys of TODO records
         self._history: list[dict[str, int]] = []  # one summary per completed epoch
         self._poisoned: list[Task] = []
         self._prev_done: dict[str, tuple[str, int]] = {}  # previous epoch's DONE tasks: completer, rows
+        self._changes: list[tuple[str, Any]] | None = None  # see track_changes
+        self._reset_records()
         self._start_epoch()
 
     def restarted(self) -> TaskQueue:
@@ -181,9 +201,13 @@ class TaskQueue:
         return sum(self.shard_rows)
 
     @property
+    def tasks_per_epoch(self) -> int:
+        return sum(-(-n // self.rows_per_task) for n in self.shard_rows)
+
+    @property
     def in_flight(self) -> int:
         """DOING tasks of the current epoch."""
-        return sum(1 for r in self._records.values() if r.state is TaskState.DOING)
+        return len(self._doing)
 
     @property
     def todo(self) -> int:
@@ -214,20 +238,14 @@ class TaskQueue:
         return rec.state if rec is not None else None
 
     def summary(self) -> dict[str, Any]:
-        counts = {s.value: 0 for s in TaskState}
-        rows_done = 0
-        for r in self._records.values():
-            counts[r.state.value] += 1
-            if r.state is TaskState.DONE:
-                rows_done += r.task.rows
         return {
             "epoch": self.epoch,
             "epochs": self.epochs,
             "finished": self.finished,
-            "tasks": counts,
+            "tasks": {s.value: self._counts[s] for s in TaskState},
             "rows_per_epoch": self.rows_per_epoch,
-            "rows_done_this_epoch": rows_done,
-            "rows_done_total": rows_done + sum(h["rows_done"] for h in self._history),
+            "rows_done_this_epoch": self._rows_done,
+            "rows_done_total": self._rows_done + sum(h["rows_done"] for h in self._history),
             "history": self.history,
             "poisoned": [t.model_dump() for t in self._poisoned],
             "generation": self.generation,
@@ -238,12 +256,12 @@ class TaskQueue:
         """Lease the next TODO task of the current epoch, or None when the epoch has nothing TODO."""
         if not self._todo:
             return None
-        _, _, task_id = self._todo.pop(0)
-        rec = self._records[task_id]
-        rec.state = TaskState.DOING
+        rec = self._records[self._todo[-1][2]]  # the next in hand-out order is at the end
         rec.worker_id = worker_id
         rec.deadline = now + self.lease_timeout_s
         rec.generation = generation
+        self._move(rec, TaskState.DOING)
+        self._min_deadline = min(self._min_deadline, rec.deadline)
         return rec.task
 
     def request(self, worker_id: str, now: float, epoch: int | None = None, generation: int = 0) -> Grant:
@@ -272,8 +290,8 @@ class TaskQueue:
         if rec is None:
             return self._previous_epoch_answer(task_id, worker_id, None)
         if rec.state is TaskState.DOING and rec.worker_id == worker_id:
-            rec.state = TaskState.DONE
             rec.deadline = None
+            self._move(rec, TaskState.DONE)
             self._maybe_advance()
             return Outcome.ACCEPTED
         if rec.state is TaskState.DONE and rec.worker_id == worker_id:
@@ -302,34 +320,34 @@ class TaskQueue:
             return self.done(task_id, worker_id)
         rec.deadline = None
         if rows_consumed == 0:
-            rec.state = TaskState.TODO
-            bisect.insort(self._todo, rec.key())
+            self._move(rec, TaskState.TODO)
             return Outcome.ACCEPTED
-        cut = task.row_start + rows_consumed
-        rec.task = task.model_copy(update={"row_end": cut})
-        rec.state = TaskState.DONE
-        rest = Task(
-            task_id=_task_id(task.epoch, task.shard, cut),
-            epoch=task.epoch,
-            shard=task.shard,
-            row_start=cut,
-            row_end=task.row_end,
-        )
-        self._add(_Record(task=rest, order=rec.order, retries=rec.retries))
+        self._split(rec, rows_consumed)
         return Outcome.ACCEPTED
 
     def renew(self, worker_id: str, now: float) -> int:
-        """Extend the deadlines of the worker's leases (a heartbeat). Returns how many were renewed."""
-        n = 0
-        for rec in self._records.values():
-            if rec.state is TaskState.DOING and rec.worker_id == worker_id:
-                rec.deadline = now + self.lease_timeout_s
-                n += 1
-        return n
+        """Extend the deadlines of the worker's leases (a heartbeat). Returns how many were renewed.
+        Not a tracked change: a restarted master grants every lease a fresh deadline (`grace`)."""
+        held = self._held.get(worker_id, ())
+        for task_id in held:
+            self._doing[task_id].deadline = now + self.lease_timeout_s
+        return len(held)
+
+    def grace(self, now: float) -> None:
+        """Give every lease at least a full lease period from `now` (a master restarted from its log, which does
+        not hold heartbeat renewals: the holders could not reach it meanwhile)."""
+        for rec in self._doing.values():
+            rec.deadline = max(rec.deadline or now, now + self.lease_timeout_s)
+            self._touch(rec)
+        self._min_deadline = min((r.deadline or math.inf for r in self._doing.values()), default=math.inf)
 
     def expire(self, now: float) -> Requeued:
         """Take back every lease whose deadline has passed."""
-        return self._take_back(lambda r: r.deadline is not None and r.deadline < now)
+        if not self._min_deadline < now:  # the earliest deadline (a lower bound) has not passed: nothing to do
+            return Requeued()
+        out = self._take_back(lambda r: r.deadline is not None and r.deadline < now)
+        self._min_deadline = min((r.deadline or math.inf for r in self._doing.values()), default=math.inf)
+        return out
 
     def recover(self, worker_id: str | None = None) -> Requeued:
         """Take back the leases of a worker known to be dead (all leases when `worker_id` is None)."""
@@ -343,13 +361,12 @@ class TaskQueue:
         """
         if generation <= self.generation:
             return Requeued()
-        self.generation = generation
+        self._set_generation(generation)
         return self._take_back(lambda r: r.generation < generation)
 
     def held_by(self, worker_id: str) -> list[str]:
         """Ids of the tasks `worker_id` holds a lease on (DOING) in the current epoch."""
-        return sorted(r.task.task_id for r in self._records.values()
-                      if r.state is TaskState.DOING and r.worker_id == worker_id)
+        return sorted(self._held.get(worker_id, ()))
 
     def snapshot(self, progress: Mapping[str, int]) -> dict[str, Any]:
         """The data state a model checkpoint taken now must carry (see `recforge.train.recovery.resume`).
@@ -370,32 +387,74 @@ class TaskQueue:
             if not 0 <= int(rows) <= rec.task.rows:
                 raise ValueError(f"snapshot: progress {rows} on task {task_id!r} outside [0, {rec.task.rows}]")
         q = TaskQueue.from_dict(self.to_dict())
-        for rec in sorted(q._records.values(), key=_Record.key):
-            if rec.state is not TaskState.DOING:
-                continue
+        for rec in sorted(q._doing.values(), key=_Record.key):
             consumed = int(progress.get(rec.task.task_id, 0))
             rec.deadline = None
             if consumed >= rec.task.rows:
-                rec.state = TaskState.DONE
-                continue
-            if consumed == 0:
-                rec.state, rec.worker_id = TaskState.TODO, None
-                bisect.insort(q._todo, rec.key())
-                continue
-            task = rec.task
-            cut = task.row_start + consumed
-            rec.task, rec.state = task.model_copy(update={"row_end": cut}), TaskState.DONE
-            rest = Task(task_id=_task_id(task.epoch, task.shard, cut), epoch=task.epoch, shard=task.shard,
-                        row_start=cut, row_end=task.row_end)
-            q._add(_Record(task=rest, order=rec.order, retries=rec.retries))
+                q._move(rec, TaskState.DONE)
+            elif consumed == 0:
+                q._move(rec, TaskState.TODO)
+                rec.worker_id = None
+            else:
+                q._split(rec, consumed)
         q._maybe_advance()
         return q.to_dict()
 
     def new_launch(self) -> Requeued:
         """A fresh launch of workers replaces all earlier ones: take back every lease, reset generations."""
         out = self.recover(None)
-        self.generation = 0
+        self._set_generation(0)
         return out
+
+    # ---- change tracking (the master's incremental log) ----------------------------------------
+    def track_changes(self) -> None:
+        """From now on record changes for `drain_changes` (the master persists them)."""
+        self._changes = []
+
+    def drain_changes(self) -> list[tuple[str, Any]]:
+        """What changed since the last drain, in order: ("rec", record dict) for a task record of the current
+        epoch (upsert), ("poison", task dict) for a task quarantined, ("epoch", n) when the queue moved on to
+        epoch n (its tasks are derived again on replay), ("gen", n) for a new launch generation.
+        Replayed by `apply_change`; deadline renewals (heartbeats) are not changes."""
+        if not self._changes:
+            return []
+        changes, self._changes = self._changes, []
+        out: list[tuple[str, Any]] = []
+        seen: set[int] = set()
+        for kind, value in reversed(changes):  # the last state of a record counts; epochs split the list
+            if kind == "rec":
+                if id(value) in seen:
+                    continue
+                seen.add(id(value))
+                out.append((kind, value.to_dict()))
+            else:
+                if kind == "epoch":
+                    seen = set()
+                out.append((kind, value))
+        out.reverse()
+        return out
+
+    def apply_change(self, kind: str, value: Any) -> None:
+        """Replay one change of `drain_changes` (restoring from the master's log)."""
+        if kind == "rec":
+            rec = _Record.from_dict(value)
+            old = self._records.get(rec.task.task_id)
+            if old is not None:
+                self._forget(old)
+            self._add(rec)
+            if rec.deadline is not None:
+                self._min_deadline = min(self._min_deadline, rec.deadline)
+        elif kind == "poison":
+            self._poisoned.append(Task.model_validate(value))
+        elif kind == "epoch":
+            if int(value) < self.epoch:
+                raise ValueError(f"log: epoch {value} after epoch {self.epoch}")
+            while self.epoch < int(value):
+                self._advance()
+        elif kind == "gen":
+            self.generation = int(value)
+        else:
+            raise ValueError(f"log: unknown change {kind!r}")
 
     # ---- persistence ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -429,13 +488,16 @@ class TaskQueue:
         )
         q.epoch = int(d["epoch"])
         q.generation = int(d["generation"])
-        q._records = {}
-        q._todo = []
+        q._reset_records()
+        q._bulk = True
         for rd in d["records"]:
             q._add(_Record.from_dict(rd))
+        q._todo.sort()
+        q._bulk = False
         q._history = [dict(h) for h in d["history"]]
         q._poisoned = [Task.model_validate(t) for t in d["poisoned"]]
         q._prev_done = {k: (str(v[0]), int(v[1])) for k, v in d["prev_done"].items()}
+        q._min_deadline = min((r.deadline or math.inf for r in q._doing.values()), default=math.inf)
         return q
 
     # ---- internals -----------------------------------------------------------------------
@@ -451,25 +513,93 @@ class TaskQueue:
             return Outcome.DUPLICATE
         return Outcome.STALE
 
+    def _reset_records(self) -> None:
+        self._records = {}
+        self._todo = []  # _todo_key of the TODO records, sorted: next one last
+        self._doing = {}  # DOING records by task id
+        self._held = {}  # worker id -> ids of the tasks it holds (DOING)
+        self._counts = {s: 0 for s in TaskState}
+        self._rows_done = 0  # rows of the DONE records (this epoch)
+        self._min_deadline = math.inf  # a lower bound of the DOING deadlines
+        self._bulk = False
+
+    def _touch(self, rec: _Record) -> None:
+        if self._changes is not None:
+            self._changes.append(("rec", rec))
+
+    def _set_generation(self, generation: int) -> None:
+        self.generation = generation
+        if self._changes is not None:
+            self._changes.append(("gen", generation))
+
+    def _index(self, rec: _Record, sign: int) -> None:
+        """Count `rec` into (sign 1) or out of (sign -1) the indexes of its state."""
+        tid = rec.task.task_id
+        self._counts[rec.state] += sign
+        if rec.state is TaskState.DOING:
+            held = self._held.setdefault(rec.worker_id or "", set())
+            if sign > 0:
+                self._doing[tid] = rec
+                held.add(tid)
+            else:
+                del self._doing[tid]
+                held.discard(tid)
+                if not held:
+                    del self._held[rec.worker_id or ""]
+        elif rec.state is TaskState.DONE:
+            self._rows_done += sign * rec.task.rows
+        elif rec.state is TaskState.TODO:
+            key = _todo_key(rec)
+            if sign > 0 and self._bulk:
+                self._todo.append(key)  # sorted once at the end (from_dict)
+            elif sign > 0:
+                bisect.insort(self._todo, key)
+            else:
+                del self._todo[bisect.bisect_left(self._todo, key)]
+
+    def _move(self, rec: _Record, state: TaskState) -> None:
+        self._index(rec, -1)
+        rec.state = state
+        self._index(rec, 1)
+        self._touch(rec)
+
     def _add(self, rec: _Record) -> None:
         self._records[rec.task.task_id] = rec
-        if rec.state is TaskState.TODO:
-            bisect.insort(self._todo, rec.key())
+        self._index(rec, 1)
+        self._touch(rec)
+
+    def _forget(self, rec: _Record) -> None:
+        self._index(rec, -1)
+        del self._records[rec.task.task_id]
+
+    def _split(self, rec: _Record, consumed: int) -> None:
+        """A DOING task whose first `consumed` rows were trained: that prefix DONE, the rest a new TODO task."""
+        task = rec.task
+        cut = task.row_start + consumed
+        self._index(rec, -1)
+        rec.task = task.model_copy(update={"row_end": cut})
+        rec.state = TaskState.DONE
+        self._index(rec, 1)
+        self._touch(rec)
+        rest = Task(task_id=_task_id(task.epoch, task.shard, cut), epoch=task.epoch, shard=task.shard,
+                    row_start=cut, row_end=task.row_end)
+        self._add(_Record(task=rest, order=rec.order, retries=rec.retries))
 
     def _take_back(self, pred) -> Requeued:
         out = Requeued()
-        for rec in list(self._records.values()):
-            if rec.state is not TaskState.DOING or not pred(rec):
+        for rec in list(self._doing.values()):
+            if not pred(rec):
                 continue
             rec.retries += 1
             rec.deadline = None
             if rec.retries >= self.max_retries:
-                rec.state = TaskState.POISON
+                self._move(rec, TaskState.POISON)
                 self._poisoned.append(rec.task)
+                if self._changes is not None:
+                    self._changes.append(("poison", rec.task.model_dump()))
                 out.poisoned.append(rec.task)
             else:
-                rec.state = TaskState.TODO
-                bisect.insort(self._todo, rec.key())
+                self._move(rec, TaskState.TODO)
                 out.requeued.append(rec.task)
         if out:
             self._maybe_advance()
@@ -485,8 +615,8 @@ class TaskQueue:
         return tasks
 
     def _start_epoch(self) -> None:
-        self._records = {}
-        self._todo = []
+        """The current epoch's tasks, all TODO (derived from the settings: not a tracked change)."""
+        self._reset_records()
         if self.finished:
             return
         tasks = self._epoch_tasks(self.epoch)
@@ -494,23 +624,31 @@ class TaskQueue:
         if self.shuffle_seed is not None:
             random.Random(self.shuffle_seed * 1_000_003 + self.epoch).shuffle(orders)
         for task, order in zip(tasks, orders, strict=True):
-            self._add(_Record(task=task, order=order))
+            rec = _Record(task=task, order=order)
+            self._records[task.task_id] = rec
+            self._todo.append(_todo_key(rec))
+        self._todo.sort()
+        self._counts[TaskState.TODO] = len(tasks)
         self._maybe_advance()  # an epoch without rows is complete at once
 
     def _maybe_advance(self) -> None:
-        if self.finished or self._todo:
+        if self.finished or self._todo or self._doing:
             return
-        if any(r.state is TaskState.DOING for r in self._records.values()):
-            return
-        done = [r for r in self._records.values() if r.state is TaskState.DONE]
+        self._advance()
+
+    def _advance(self) -> None:
+        """Close the current epoch (nothing TODO or DOING in it) and start the next one."""
         self._history.append(
             {
                 "epoch": self.epoch,
-                "tasks_done": len(done),
-                "rows_done": sum(r.task.rows for r in done),
-                "tasks_poisoned": sum(1 for r in self._records.values() if r.state is TaskState.POISON),
+                "tasks_done": self._counts[TaskState.DONE],
+                "rows_done": self._rows_done,
+                "tasks_poisoned": self._counts[TaskState.POISON],
             }
         )
-        self._prev_done = {r.task.task_id: (r.worker_id or "", r.task.rows) for r in done}
+        self._prev_done = {r.task.task_id: (r.worker_id or "", r.task.rows)
+                           for r in self._records.values() if r.state is TaskState.DONE}
         self.epoch += 1
+        if self._changes is not None:
+            self._changes.append(("epoch", self.epoch))
         self._start_epoch()

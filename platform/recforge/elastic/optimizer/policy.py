@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from recforge.elastic.optimizer.errors import RECORD_ERRORS, describe
 from recforge.elastic.optimizer.events import Event
 from recforge.elastic.optimizer.instability_stage import InstabilityStage
 from recforge.elastic.optimizer.models.history import History
@@ -57,8 +58,8 @@ class DLRoverPolicy:
                                  total_samples=float(j["total_samples"]),
                                  table_bytes=[float(b) for b in state.get("table_bytes") or []],
                                  host_cores=None if j.get("host_cores") is None else float(j["host_cores"]))
-        except Exception as e:
-            raise ValueError(f"DLRover stage 1 state unreadable ({type(e).__name__}: {e})") from e
+        except RECORD_ERRORS as e:
+            raise ValueError(f"DLRover stage 1 state unreadable ({describe(e)})") from e
         limits.check()
         policy = cls(limits=limits, config=config, default_model=prior)
         policy.job, policy.warm, policy._restored = job, WarmStart(plan, [], prior, memory), True

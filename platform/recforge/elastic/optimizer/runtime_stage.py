@@ -12,6 +12,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 
+from recforge.elastic.optimizer.errors import MODEL_ERRORS, describe
 from recforge.elastic.optimizer.events import Event
 from recforge.elastic.optimizer.models.memory_model import GiB, MemoryModel, MemoryTrend
 from recforge.elastic.optimizer.models.throughput_model import PS_TERMS, OnlineThroughputModel, Sample, ThroughputModel
@@ -35,6 +36,7 @@ class RuntimeStage:
         self.samples_at_plan = 0
         self._plan: PodPlan | None = None
         self._last_hold = ""
+        self._last_refit_error = ""
         self._server_mem = MemoryTrend()
 
     def observe(self, obs: Observation) -> list[Event]:
@@ -51,14 +53,27 @@ class RuntimeStage:
         if self.last_change_s is not None and obs.time_s - self.last_change_s < self.cfg.interval_s:
             return self._hold(f"pacing: {obs.time_s - self.last_change_s:.0f}s since the last change "
                               f"< {self.cfg.interval_s:.0f}s", obs)
+        refit_failed: list[Event] = []
         if self.model.samples:
             try:
                 self.model.refit()
-            except Exception as e:  # keep the previous model; say why
+                self._last_refit_error = ""
+            except MODEL_ERRORS as e:  # keep the previous model; say why (once per error type until a refit works)
                 self.model.status = f"refit failed ({e!r}): previous model kept"
+                if type(e).__name__ != self._last_refit_error:
+                    self._last_refit_error = type(e).__name__
+                    refit_failed.append(Event(
+                        "runtime", "fallback", f"refit on {len(self.model.samples)} samples failed ({describe(e)}): "
+                        "previous model kept", inputs={"observed_samples_per_s": obs.samples_per_s,
+                                                       "samples": len(self.model.samples)},
+                        plan_before=obs.plan.to_dict(), time_s=obs.time_s))
         model = self.model.model
         if model is None:
-            return self._hold(f"no model yet ({self.model.status})", obs, action="fallback")
+            return refit_failed + self._hold(f"no model yet ({self.model.status})", obs, action="fallback")
+        return refit_failed + self._decide(obs, model)
+
+    def _decide(self, obs: Observation, model: ThroughputModel) -> list[Event]:
+        """The search on `model` from the (right-sized) plan: the events of one tick past profiling and pacing."""
         allow_servers = (self.last_server_change_s is None
                          or obs.time_s - self.last_server_change_s >= self.cfg.server_interval_s)
         start, notes = self._rightsize(obs, allow_servers) if self.cfg.rightsize else (obs.plan, [])
@@ -66,8 +81,8 @@ class RuntimeStage:
             plan, moves = search(start, model, self.limits, self.cfg, self.job, self.memory,
                                  max_units=self.cfg.max_units_per_step, allow_servers=allow_servers,
                                  frozen=self._idle_groups(obs))
-        except Exception as e:  # a degenerate model must not take the job down: keep the plan
-            return self._hold(f"search failed ({e!r}): keeping the plan", obs, action="fallback")
+        except MODEL_ERRORS as e:  # a degenerate model must not take the job down: keep the plan
+            return self._hold(f"search failed ({describe(e)}): keeping the plan", obs, action="fallback")
         if plan == obs.plan:
             moves, notes = [], []
         if not moves and notes and plan != obs.plan:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from recforge.elastic.optimizer.errors import MODEL_ERRORS, RECORD_ERRORS, describe
 from recforge.elastic.optimizer.events import Event
 from recforge.elastic.optimizer.models.history import History, JobRecord
 from recforge.elastic.optimizer.models.memory_model import (
@@ -104,20 +105,28 @@ def history_memory_points(records: Sequence[JobRecord]) -> list[MemorySample]:
 def warm_start(job: JobDescription, history: History | None, limits: JobLimits,
                cfg: OptimizerConfig = OptimizerConfig(), default_model: ThroughputModel | None = None,
                default_memory: MemoryModel | None = None) -> WarmStart:
-    """Stage 1: the initial plan from similar past jobs (see the module docstring); never raises except
-    for limits that cannot hold one worker (ResourceLimitError)."""
+    """Stage 1: the initial plan from similar past jobs (see the module docstring). Raises ResourceLimitError for
+    limits that cannot hold one worker; a history store that cannot be read (`history.unavailable`), a malformed
+    record or a degenerate model (errors.py) falls back with a "fallback" event naming the cause; anything else
+    propagates."""
     limits.check()
     events: list[Event] = []
     records: list[JobRecord] = []
     problems: list[str] = []
+    unreadable: BaseException | None = None
     if history is not None:
         try:
             records = list(history.similar(job.dataset, job.model_family))
-        except Exception as e:  # a broken history store must not stop a job from starting
+        except history.unavailable as e:  # a history store that is down must not stop a job from starting
+            unreadable = e
             problems.append(f"history lookup failed: {e!r}")
         problems.extend(getattr(history, "problems", []) or [])
     inputs = {"dataset": job.dataset, "model_family": job.model_family, "requested": job.requested.to_dict(),
               "limits": limits.__dict__, "similar_jobs": len(records), "history_problems": problems[:20]}
+    if unreadable is not None:
+        events.append(Event("warm_start", "fallback", f"history store unavailable ({describe(unreadable)}): "
+                            "planning as if no similar job had run", inputs=inputs,
+                            plan_before=job.requested.to_dict()))
     models = [r.model for r in records if r.model is not None]
     mems = [r.memory for r in records if r.memory is not None and r.memory.fitted]
     memory, memory_note = choose_memory(records, default_memory)
@@ -129,8 +138,8 @@ def warm_start(job: JobDescription, history: History | None, limits: JobLimits,
                                  events)
     except ResourceLimitError:
         raise
-    except Exception as e:  # never crash inside the optimizer: fall back to the requested plan, say why
-        events.append(Event("warm_start", "fallback", f"warm start from history failed ({type(e).__name__}: {e}); "
+    except (*MODEL_ERRORS, *RECORD_ERRORS) as e:  # a degenerate model or a malformed record of the history
+        events.append(Event("warm_start", "fallback", f"warm start from history failed ({describe(e)}); "
                             "cold start with the requested plan", inputs=inputs, plan_before=job.requested.to_dict(),
                             plan_after=requested.to_dict()))
         out = WarmStart(requested, events, default_model, memory, records)
@@ -156,8 +165,10 @@ def history_points(records: Sequence[JobRecord]) -> list[Sample]:
     return out
 
 
-def _refit_on_history(records: Sequence[JobRecord], prior: ThroughputModel) -> tuple[ThroughputModel, str]:
-    """Past runs of similar jobs at different plans are profile points of the same model: fit them together."""
+def _refit_on_history(records: Sequence[JobRecord], prior: ThroughputModel,
+                      events: list[Event] | None = None) -> tuple[ThroughputModel, str]:
+    """Past runs of similar jobs at different plans are profile points of the same model: fit them together. A
+    fit that fails keeps `prior` and appends a "fallback" event naming why to `events`."""
     pts = history_points(records)
     configs = {(s.allocation.workers, s.allocation.cpu_per_worker, s.allocation.batch_size, s.allocation.servers,
                 s.allocation.cpu_per_server) for s in pts}
@@ -165,7 +176,11 @@ def _refit_on_history(records: Sequence[JobRecord], prior: ThroughputModel) -> t
         return prior, ""
     try:
         m = fit(pts, prior.terms, prior=prior, prior_strength=0.3)
-    except Exception as e:  # keep the prior; say why
+    except MODEL_ERRORS as e:  # keep the prior; say why
+        if events is not None:
+            events.append(Event("warm_start", "fallback", f"refit on {len(pts)} history points failed "
+                                f"({describe(e)}): the median of the similar jobs' models", inputs={
+                                    "points": len(pts), "configurations": len(configs), "model": prior.to_dict()}))
         return prior, f"; refit on {len(pts)} history points failed ({e!r})"
     m.meta = {"source": f"refit on {len(pts)} points of {len(records)} similar runs ({len(configs)} configurations)"}
     return m, (f"; refitted on {len(pts)} measured points of past runs ({len(configs)} configurations), "
@@ -197,7 +212,7 @@ def _warm_from_history(job: JobDescription, limits: JobLimits, cfg: OptimizerCon
                        mems: list[MemoryModel], memory: MemoryModel, requested: PodPlan, inputs: dict[str, Any],
                        events: list[Event]) -> WarmStart:
     if models:
-        prior, refit_note = _refit_on_history(records, combine_models(models))
+        prior, refit_note = _refit_on_history(records, combine_models(models), events)
         # DLRover predicts a plan close to the final one: start from where similar jobs ended (their median
         # final plan), and let the greedy search move from there, growing or shrinking
         start = _median_plan(requested, records, job) or replace(
@@ -239,8 +254,11 @@ def _warm_from_history(job: JobDescription, limits: JobLimits, cfg: OptimizerCon
             prediction = {"default_model_suggests": hint.to_dict(),
                           "suggested_samples_per_s": default_model.predict(hint.allocation(job.host_cores)),
                           "default_model": default_model.to_dict()}
-        except Exception as e:
+        except MODEL_ERRORS as e:  # the clamped request instead; say why
             hint, prediction = None, {"default_model_error": repr(e)}
+            events.append(Event("warm_start", "fallback", f"the default model found no plan ({describe(e)}): "
+                                "the requested plan, clamped to the limits", inputs={
+                                    "model": default_model.to_dict()}, plan_before=job.requested.to_dict()))
     if requested != job.requested:  # the request does not fit: plan by the default model, else the clamped request
         asked = f"{job.requested.workers}x{job.requested.cpu_per_worker:g} cores"
         if hint is not None:
@@ -257,17 +275,24 @@ def _warm_from_history(job: JobDescription, limits: JobLimits, cfg: OptimizerCon
     return WarmStart(plan, events, default_model, memory, records)
 
 
-_LOCAL_MODEL: list = []
+_LOCAL_MODEL: list[tuple[ThroughputModel | None, str]] = []  # (the model, why there is none)
 
 
 def local_default_model() -> ThroughputModel | None:
     """Our trainer's model fitted on the committed profile (optimizer/models/profiles/), the cold-start prior for
-    the local backend; None (and a logged warning) when the profile is missing or cannot be fitted."""
+    the local backend; None (and a logged warning) when the profile is missing or cannot be fitted
+    (`local_default_model_problem` says why)."""
     if not _LOCAL_MODEL:
         try:
             samples, _ = load_profile()
-            _LOCAL_MODEL.append(fit_profile(samples).model)
-        except Exception as e:  # documented fallback: no prior, the requested plan
+            _LOCAL_MODEL.append((fit_profile(samples).model, ""))
+        except (OSError, ValueError) as e:  # documented fallback: no prior, the requested plan (missing or bad file)
             log.warning("no default resource model for the local trainer (%r): cold starts use the request", e)
-            _LOCAL_MODEL.append(None)
-    return _LOCAL_MODEL[0]
+            _LOCAL_MODEL.append((None, f"committed profile unusable ({describe(e)})"))
+    return _LOCAL_MODEL[0][0]
+
+
+def local_default_model_problem() -> str:
+    """Why `local_default_model()` is None ("" when it is not)."""
+    local_default_model()
+    return _LOCAL_MODEL[0][1]

@@ -33,9 +33,11 @@ from recforge.elastic.optimizer import (
     fit_or_prior,
     local_default_memory,
     local_default_model,
+    local_default_model_problem,
     optimizer_config,
     samples_from_dicts,
 )
+from recforge.elastic.optimizer.errors import MODEL_ERRORS, RECORD_ERRORS
 from recforge.elastic.optimizer.models.resource_store import MlflowHistory, log_resource_model
 from recforge.elastic.policy import JobInfo, ResourcePlan
 from recforge.tracking.resource_models import log_events
@@ -102,6 +104,10 @@ def pipeline_plan(resources, *, dataset: str, model_family: str, batch_size: int
     info = JobInfo(shard_rows=[int(total_rows)], epochs=epochs, rows_per_task=batch_size, resources=resources,
                    extra=extra)
     rp = policy.plan(info)
+    if local_default_model_problem():  # stage 1 ran without its default (committed) model: say so
+        policy.events.insert(0, Event("warm_start", "fallback", f"no default resource model: "
+                                      f"{local_default_model_problem()}; a cold start plans from the request",
+                                      plan_before=policy.job.requested.to_dict() if policy.job else None))
     # the train task turns the workers' sharding plan into embedding bytes per rank (memory points)
     state = {**policy.stage1_state(), "tables": [[str(n), int(r)] for n, r in tables], "embedding_dim": embedding_dim}
     return {"workers": rp.workers, "threads_per_worker": rp.threads_per_worker, "events": policy.events,
@@ -287,12 +293,15 @@ def recommend_after_run(state: Mapping[str, Any], worker_result: Mapping[str, An
     limits = JobLimits(**state["limits"])
     desc = JobDescription(j["dataset"], j["model_family"], ran, total_samples=float(j["total_samples"]),
                           table_bytes=list(state.get("table_bytes") or []), host_cores=j.get("host_cores"))
+    unreadable: Event | None = None
     try:
         prior = ThroughputModel.from_dict(state["prior"]) if state.get("prior") else None
         memory = MemoryModel.from_dict(state["memory"]) if state.get("memory") else None
-    except Exception as e:
+    except RECORD_ERRORS as e:  # ModelFitError is a ValueError
         prior, memory = None, None
         log.warning("stage 1 state unreadable (%r): recommending without a prior", e)
+        unreadable = Event("runtime", "fallback", f"stage 1 state unreadable ({e!r}): recommending without a prior",
+                           plan_before=ran.to_dict())
     thr = float(worker_result.get("samples_per_s") or 0.0)
     shares = [float(v) for v in (per_worker_samples or {}).values() if v is not None]
     # in one wall time a worker's step time is inversely proportional to the samples it got through
@@ -300,16 +309,16 @@ def recommend_after_run(state: Mapping[str, Any], worker_result: Mapping[str, An
     obs = Observation(time_s=float(worker_result.get("wall_s", 0.0)), plan=ran, samples_per_s=thr if thr > 0 else None,
                       step=int(worker_result.get("steps", 0)) * ran.workers, worker_step_s=steps,
                       total_steps=float(j["total_samples"]) / max(ran.batch_size, 1))
-    events: list[Event] = []
+    events: list[Event] = [unreadable] if unreadable is not None else []
     stage3 = InstabilityStage(desc, limits, cfg, memory)
     try:
         events += stage3.observe(obs)
-    except Exception as e:  # never crash the train task over a recommendation
+    except MODEL_ERRORS as e:  # never crash the train task over a recommendation; a bug propagates
         events.append(Event("instability", "fallback", f"stage 3 failed ({e!r})", plan_before=ran.to_dict()))
     rt = RuntimeStage(desc, limits, replace(cfg, profile_samples=1, interval_s=0.0), prior, memory)
     try:
         events += rt.observe(obs)
-    except Exception as e:
+    except MODEL_ERRORS as e:
         events.append(Event("runtime", "fallback", f"stage 2 failed ({e!r})", plan_before=ran.to_dict()))
     if thr <= 0:
         events.append(Event("runtime", "fallback", "the run reported no throughput: no model update",

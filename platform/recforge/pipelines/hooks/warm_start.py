@@ -16,6 +16,7 @@ from recforge.pipelines.context import RunContext
 from recforge.pipelines.outputs import PlanOutputs, WarmStartRecord
 from recforge.preprocess.planning.plan import Plan
 from recforge.train.recovery.layout import DISK, checkpoint_problem, fingerprint, plan_sha256
+from recforge.train.recovery.private_dir import private_dir_problem
 
 log = logging.getLogger("recforge.pipelines")
 
@@ -81,6 +82,9 @@ def problems(ctx: RunContext, plan: PlanOutputs, version: str, tags: dict[str, s
     path = Path(ckpt)
     if not (path / ".metadata").exists():
         return [f"its checkpoint {path} is gone (no DCP .metadata)"]
+    unsafe = private_dir_problem(path)
+    if unsafe is not None:  # DCP unpickles its .metadata: only a directory of this user (docs/security.md)
+        return [f"its checkpoint {path} is refused: {unsafe}"]
     found: list[str] = []
     cfg = ctx.config
     ours_schema, theirs_schema = schema_fingerprint(cfg.dataset()), tags.get(TAG_SCHEMA)

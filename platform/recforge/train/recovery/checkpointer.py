@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from recforge.train.loop.step_loop import EpochStats, LoopState
-from recforge.train.recovery.flash import FlashSnapshotter
+from recforge.train.recovery.flash import FlashSnapshotter, private_flash_root
 from recforge.train.recovery.resume import loop_to_dict, save_disk
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,10 @@ class Checkpointer:
         every_steps: int, disk_root: Path, memory_root: Path | None, keep: int, ledger: Any = None,
         extra_meta: Callable[[], dict[str, Any]] | None = None, last_step: int = 0,
     ) -> None:
-        """`memory_root` set: flash checkpoints there (an agent persists them); None: disk saves."""
+        """`memory_root` set: flash checkpoints there (an agent persists them); None: disk saves. A memory root another
+        user could write is refused on every rank (flash.private_flash_root): disk saves."""
+        if memory_root is not None:
+            memory_root = private_flash_root(memory_root, rank)
         self.model, self.optimizer, self.client = model, optimizer, client
         self.rank, self.world_size, self.generation = rank, world_size, generation
         self.every_steps, self.disk_root, self.memory_root, self.keep = every_steps, Path(disk_root), memory_root, keep

@@ -10,6 +10,8 @@ writes the recforge meta and drops snapshots older than the newest complete one.
 (recforge.elastic.agent.flash_checkpoint.FlashPersister, in the process that launched the workers)
 persists complete snapshots to disk asynchronously, also after a worker died; a restarted group
 loads from memory when the snapshot is there (recforge.train.recovery.resume.load_latest).
+The shared-memory directory is the job's private one (recforge.train.recovery.private_dir): `private_flash_root`
+refuses one another user could write, and the group checkpoints to disk instead.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 
 from recforge.train.recovery.flash_layout import Layout, RecordingWriter
 from recforge.train.recovery.layout import META_FILE, memory_problem, step_dirs, step_name, write_done_marker
+from recforge.train.recovery.private_dir import UnsafeDirectoryError, ensure_private_dir
 from recforge.train.recovery.resume import training_state
 
 log = logging.getLogger(__name__)
@@ -38,12 +41,27 @@ def agent_present(flash_agent: bool = False) -> bool:
     return flash_agent or bool(os.environ.get(AGENT_ENV))
 
 
+def private_flash_root(root: str | Path, rank: int) -> Path | None:
+    """Collective: `root` (created 0700 when missing) if it is a private directory of this user on every rank; None
+    on every rank when any rank refuses it (logged there, naming it and why): the group checkpoints to disk."""
+    try:
+        ensure_private_dir(root)
+        ok = True
+    except UnsafeDirectoryError as e:
+        log.warning("rank %d: %s; step checkpoints go to disk instead", rank, e)
+        ok = False
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return Path(root) if flag.item() else None
+
+
 class FlashSnapshotter:
     """One per rank and group. `start_step`: the step the group resumed from; snapshots above it in
-    shared memory belong to a timeline that died and are removed (rank 0)."""
+    shared memory belong to a timeline that died and are removed (rank 0). `root` must be a private directory of
+    this user (UnsafeDirectoryError otherwise; `private_flash_root` checks it on every rank first)."""
 
     def __init__(self, root: Path, rank: int, start_step: int = 0) -> None:
-        self.root, self.rank = Path(root), rank
+        self.root, self.rank = ensure_private_dir(root), rank
         self.layout: Layout | None = None
         self.fast_ok = True
         self.full_saves = self.fast_saves = 0

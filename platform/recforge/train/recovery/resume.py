@@ -8,8 +8,10 @@ every task in flight). Two places hold them:
 
 * disk (`<checkpoint_dir>.steps/step-N`): complete only with `CHECKSUMS.json` (sha256 of every file),
   written last; the newest `keep` are kept.
-* shared memory (`/dev/shm/recforge-flash-*/step-N`, a flash checkpoint, recforge.train.recovery.flash):
-  complete when every saving rank left its `done-rank<r>` marker.
+* shared memory (`/dev/shm/recforge-flash-XXXXXXXX/step-N`, a flash checkpoint, recforge.train.recovery.flash):
+  complete when every saving rank left its `done-rank<r>` marker. The directory is the job's private one (0700, this
+  uid; recforge.train.recovery.private_dir); one another user could write is refused, naming it, and only the disk
+  checkpoints are candidates (DCP unpickles a checkpoint's metadata: docs/security.md).
 
 Restart (`load_latest`, collective): the newest checkpoint that every rank can use and that passes
 its check is loaded (memory before disk at the same step); a corrupt one is skipped with a warning
@@ -37,6 +39,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from recforge.train.loop.step_loop import EpochStats, LoopState
@@ -53,6 +56,7 @@ from recforge.train.recovery.layout import (
     step_name,
     write_checksums,
 )
+from recforge.train.recovery.private_dir import make_private_root, private_dir_problem
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,10 @@ def loop_from_dict(d: dict[str, Any]) -> tuple[LoopState, EpochStats | None]:
 
 
 # ---- save ----------------------------------------------------------------------------------
+class CheckpointSaveError(RuntimeError):
+    """A step checkpoint could not be written (full disk, I/O error): names the checkpoint and each rank's error."""
+
+
 def training_state(model: Any, optimizer: Any) -> dict[str, Any]:
     state = {"model": model.state_dict()}
     if optimizer is not None:
@@ -98,9 +106,18 @@ def save_disk(model: Any, optimizer: Any, root: Path, step: int, *, rank: int, m
     tmp = root / (step_name(step) + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        make_private_root(root)  # 0700 when created here
+        tmp.mkdir()
     dist.barrier()
-    dcp.save(training_state(model, optimizer), storage_writer=FileSystemWriter(str(tmp)))
+    try:
+        dcp.save(training_state(model, optimizer), storage_writer=FileSystemWriter(str(tmp)))
+    except CheckpointException as e:  # a BaseException (e.g. a full disk on some rank), raised on every rank
+        space = _space_note(root)  # before the partial save is removed: a full disk shows as a torch zip error
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        why = "; ".join(f"rank {r}: {type(x).__name__}: {str(x)[:200]}" for r, (x, _) in sorted(e.failures.items()))
+        raise CheckpointSaveError(f"step checkpoint {final} could not be written ({why}){space}; the partial save "
+                                  f"was removed, the older checkpoints are kept") from e
     dist.barrier()
     if rank == 0:
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
@@ -110,6 +127,17 @@ def save_disk(model: Any, optimizer: Any, root: Path, step: int, *, rank: int, m
         prune(root, keep)
     dist.barrier()
     return final
+
+
+def _space_note(root: Path) -> str:
+    """'; no space left on the device of <root> (N bytes free)' when its file system is (nearly) full, else ''."""
+    try:
+        usage = shutil.disk_usage(root)
+    except OSError:
+        return ""
+    if usage.free < max(1 << 20, usage.total // 100):
+        return f"; no space left on the device of {root} ({usage.free} of {usage.total} bytes free)"
+    return ""
 
 
 # ---- load ----------------------------------------------------------------------------------
@@ -147,7 +175,10 @@ def load_latest(model: Any, optimizer: Any, *, rank: int, disk_root: Path | None
     `fingerprint`, this run's: layout.fingerprint) or fail to load, logging one warning line each. Returns
     None when there is none (training starts from the initial weights).
     Raises RuntimeError when a load failed and no older checkpoint is left (the weights may be
-    partly overwritten: starting from them would be silently wrong)."""
+    partly overwritten: starting from them would be silently wrong).
+    A `memory_root` that is not a private directory of this user is refused (logged) on the ranks that see it so:
+    its snapshots are candidates on no rank."""
+    memory_root = _private_memory_root(memory_root, rank)
     mine = {(str(c.path), c.source) for c in candidates(disk_root, memory_root) if _usable_here(c)}
     world = dist.get_world_size()
     views: list[Any] = [None] * world
@@ -209,6 +240,18 @@ def load_latest(model: Any, optimizer: Any, *, rank: int, disk_root: Path | None
                         c.source, c.path, c.step, meta[0].get("generation"), meta[0].get("world_size"),
                         time.perf_counter() - t0)
         return Restored(path=c.path, step=c.step, source=c.source, meta=meta[0], skipped=skipped)
+
+
+def _private_memory_root(root: Path | None, rank: int) -> Path | None:
+    if root is None:
+        return None
+    problem = private_dir_problem(root)
+    if problem is None:
+        return Path(root)
+    if os.path.lexists(root):  # absent: no flash checkpoint was taken yet, nothing to refuse
+        log.warning("rank %d: refusing flash checkpoint directory %s: %s; loading from the disk checkpoints only",
+                    rank, root, problem)
+    return None
 
 
 def _skip(skipped: list[tuple[str, str]], c: Candidate, why: str) -> None:

@@ -4,13 +4,13 @@ launch generation, gradient accumulation, per-sample accounting. Part of the wor
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from recforge.train.recovery.private_dir import pointer_path, read_pointer
+
 STEPS_SUFFIX = ".steps"
-DEFAULT_SHM = Path("/dev/shm")
 
 
 class RecoverySpec(BaseModel):
@@ -26,7 +26,9 @@ class RecoverySpec(BaseModel):
         False, description="checkpoint into shared memory (synchronous, fast) and let the agent persist to disk "
         "asynchronously; used only when an agent runs (flash_agent, or RECFORGE_FLASH_AGENT in the environment), "
         "else a synchronous disk save")
-    flash_root: Path | None = Field(None, description="shared-memory directory (default: /dev/shm/recforge-<hash>)")
+    flash_root: Path | None = Field(
+        None, description="the job's private shared-memory directory (set by the launcher: a tempfile.mkdtemp under "
+        "/dev/shm, mode 0700, recorded in the pointer file `flash_pointer`); loaded from only while it is private")
     flash_agent: bool = Field(False, description="set by the launcher when it runs a FlashPersister for this job")
     generation_base: int = Field(0, ge=0, description="launch generation of this launch's first worker group; "
                                  "a worker's generation is this plus torchrun's restart count")
@@ -46,18 +48,18 @@ class RecoverySpec(BaseModel):
     def steps_root(self, checkpoint_dir: Path) -> Path:
         return Path(self.checkpoint_root) if self.checkpoint_root is not None else default_steps_root(checkpoint_dir)
 
-    def shm_root(self, checkpoint_dir: Path) -> Path:
+    def flash_pointer(self, checkpoint_dir: Path) -> Path:
+        """The file recording the job's flash directory: `<checkpoint_dir>.flash`, or `<checkpoint_root>.flash` when
+        the step checkpoints live elsewhere (the pipeline's work dir: it outlives a task attempt's checkpoint_dir)."""
+        return pointer_path(self.checkpoint_root if self.checkpoint_root is not None else checkpoint_dir)
+
+    def shm_root(self, checkpoint_dir: Path) -> Path | None:
+        """The flash directory: `flash_root`, else the one the pointer file records (None: there is none)."""
         if self.flash_root is not None:
             return Path(self.flash_root)
-        return default_flash_root(self.steps_root(checkpoint_dir))
+        return read_pointer(self.flash_pointer(checkpoint_dir))
 
 
 def default_steps_root(checkpoint_dir: str | Path) -> Path:
     p = Path(checkpoint_dir)
     return p.with_name(p.name + STEPS_SUFFIX)
-
-
-def default_flash_root(steps_root: str | Path) -> Path:
-    """One shared-memory directory per checkpoint root, so the agent and the workers agree without talking."""
-    digest = hashlib.sha1(str(Path(steps_root).resolve()).encode()).hexdigest()[:16]
-    return DEFAULT_SHM / f"recforge-flash-{digest}"

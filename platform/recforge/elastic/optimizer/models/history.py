@@ -34,6 +34,9 @@ class JobRecord:
 @runtime_checkable
 class History(Protocol):
     problems: list[str]
+    # what `similar` raises when the store cannot be read (stage 1 then plans without history, a "fallback" event
+    # naming the error); anything else it raises propagates
+    unavailable: tuple[type[Exception], ...]
 
     def similar(self, dataset: str, model_family: str, limit: int = 20) -> list[JobRecord]:
         """Records of the same dataset and model family, newest first."""
@@ -44,6 +47,7 @@ class InMemoryHistory:
     def __init__(self, records: Sequence[JobRecord] = (), max_per_key: int = 50) -> None:
         self.records: list[JobRecord] = list(records)
         self.problems: list[str] = []
+        self.unavailable: tuple[type[Exception], ...] = ()  # a list in memory is always readable
         self.max_per_key = max_per_key
 
     def add(self, record: JobRecord) -> None:

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.optimize import nnls
 
-from recforge.elastic.optimizer.models.throughput_model import DEFAULT_PROFILE, ModelFitError
+from recforge.elastic.optimizer.models.throughput_model import DEFAULT_PROFILE, ModelFitError, solve_nnls
 
 GiB = 1 << 30
 
@@ -104,8 +103,8 @@ class MemoryModel:
         cols = [np.ones_like(y)] + ([emb] if emb_free else []) + ([step] if step_free else [])
         X = np.stack(cols, axis=1)
         scale = np.maximum(np.abs(X).max(axis=0), 1e-12)  # conditioning: bytes and steps differ by 10^9
-        c, _ = nnls(X / scale / y[:, None], target / y)  # relative residuals
-        c = list(c / scale)
+        x = solve_nnls(X / scale / y[:, None], target / y, "MemoryModel.fit")  # relative residuals
+        c = list(x / scale)
         base = float(c.pop(0))
         factor = float(min_emb_factor + c.pop(0)) if emb_free else float(emb_fixed)
         growth = float(c.pop(0)) if step_free else float(growth_fixed)

@@ -19,6 +19,7 @@ from recforge.elastic.optimizer.models.history import JobRecord
 from recforge.elastic.optimizer.models.memory_model import MemoryModel
 from recforge.elastic.optimizer.models.throughput_model import Allocation, ModelFitError, Sample, ThroughputModel
 from recforge.tracking.resource_models import (
+    STORE_ERRORS,
     ResourceModelRecord,
     find_resource_runs,
     record_problem,
@@ -135,6 +136,7 @@ class MlflowHistory:
         self.store = store
         self.max_runs = max_runs
         self.problems: list[str] = []
+        self.unavailable: tuple[type[Exception], ...] = STORE_ERRORS
 
     def similar(self, dataset: str, model_family: str, limit: int = 20) -> list[JobRecord]:
         """Newest first; a run whose model is a registered version carries it in extra["registered_version"]."""

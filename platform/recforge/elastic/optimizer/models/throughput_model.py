@@ -24,6 +24,17 @@ class ModelFitError(ValueError):
     """The points cannot support a fit (too few, non-positive throughput, unknown term)."""
 
 
+def solve_nnls(a: np.ndarray, b: np.ndarray, what: str, maxiter: int | None = None) -> np.ndarray:
+    """scipy's NNLS solution; its non-convergence (a RuntimeError) and bad input as a ModelFitError naming `what`."""
+    try:
+        x, _ = nnls(a, b, maxiter=maxiter)
+    except RuntimeError as e:  # scipy: "Maximum number of iterations reached."
+        raise ModelFitError(f"{what}: NNLS did not converge ({e})") from e
+    except ValueError as e:  # scipy's checks: shapes, NaN or inf in the points
+        raise ModelFitError(f"{what}: NNLS refused the points ({e})") from e
+    return x
+
+
 @dataclass(frozen=True)
 class Allocation:
     """The resources of one job: workers, CPU cores (threads) per worker, per-worker batch size, and
@@ -230,7 +241,8 @@ def fit(samples: Sequence[Sample], terms: Sequence[str], *, prior: ThroughputMod
     extra = np.ones(len(t))
     for it in range(max(irls_iters, 0) + 1):
         w = np.sqrt(base_w * extra)
-        coef, _ = nnls(np.vstack([X0 * w[:, None], P]), np.concatenate([w, q]), maxiter=50 * max(len(terms), 1))
+        coef = solve_nnls(np.vstack([X0 * w[:, None], P]), np.concatenate([w, q]), f"fit of {list(terms)}",
+                          maxiter=50 * max(len(terms), 1))
         if it == irls_iters or not len(t):
             break
         pred = np.maximum(X0 @ coef, 1e-12)  # predicted step time / measured step time
