@@ -1,18 +1,9 @@
 """One set of live services for the whole e2e session (the API test and the browser test share it)."""
-import os
 import time
 
 import pytest
 
-from e2e_services import LiveServices, services, start
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+from e2e_services import LiveServices, running, services, start
 
 
 @pytest.fixture(scope="session")
@@ -33,4 +24,4 @@ def live(tmp_path_factory) -> LiveServices:
         down = services("down", svc.env)
         assert down.returncode == 0, down.stdout + down.stderr
         assert not list((home / "run").glob("*.pid")), "make down left pid files"
-        assert not [n for n, p in pids.items() if _alive(p)], f"still running after down: {pids}"
+        assert not [n for n, p in pids.items() if running(p)], f"still running after down: {pids}"

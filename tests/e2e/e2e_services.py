@@ -12,12 +12,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = REPO / "scripts" / "services.sh"
 DAG_ID = "recforge_daily"
 # tiny Params: a whole run in a few minutes on 2 cores
 TINY = {"rows_per_day": 3000, "batch_size": 256, "table_cap": 5000, "workers": 2}
+
+
+def running(pid: int) -> bool:
+    """Whether the process runs: a zombie (exited, not yet reaped by this container's init) does not."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def artifacts_dir() -> Path:

@@ -16,21 +16,13 @@ import httpx
 import psutil
 import pytest
 
-from e2e_services import free_port, service_env, services
+from e2e_services import free_port, running, service_env, services
 
 pytestmark = pytest.mark.slow
 
 
 def _pids(home: Path) -> dict[str, int]:
     return {p.stem: int(p.read_text()) for p in (home / "run").glob("*.pid")}
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return False
-    except ProcessLookupError:
-        return True
 
 
 def test_up_fails_with_the_log_tail_of_a_service_that_does_not_start(tmp_path):
@@ -47,7 +39,7 @@ def test_up_fails_with_the_log_tail_of_a_service_that_does_not_start(tmp_path):
     finally:
         down = services("down", env)
     assert down.returncode == 0, down.stdout + down.stderr
-    assert _pids(home) == {} and all(_gone(p) for p in started.values())
+    assert _pids(home) == {} and not any(running(p) for p in started.values())
 
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
@@ -139,14 +131,7 @@ ORPHAN = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'impor
 
 def _alive(pids: list[int]) -> list[int]:
     """The pids still running (a zombie has exited)."""
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
+    return [pid for pid in pids if running(pid)]
 
 
 def test_down_during_a_training_job_leaves_nothing_of_the_platform_running(tmp_path):

@@ -64,14 +64,14 @@ def test_private_dir_check_refuses_what_another_user_could_write(tmp_path):
     assert _mode(good) == 0o700 and check_private_dir(good) == good
     assert private_dir_problem(tmp_path / "missing") == "it does not exist"
 
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    os.chmod(shared, 0o770)
-    with pytest.raises(UnsafeDirectoryError, match=f"refusing flash checkpoint directory {shared}: it is writable by "
+    open_dir = tmp_path / "open_dir"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o770)
+    with pytest.raises(UnsafeDirectoryError, match=f"refusing flash checkpoint directory {open_dir}: it is writable by "
                                                    r"group or others \(mode 0770\)"):
-        check_private_dir(shared)
-    os.chmod(shared, 0o703)
-    assert private_dir_problem(shared) == "it is writable by group or others (mode 0703)"
+        check_private_dir(open_dir)
+    os.chmod(open_dir, 0o703)
+    assert private_dir_problem(open_dir) == "it is writable by group or others (mode 0703)"
 
     link = tmp_path / "link"
     link.symlink_to(good)  # the target is private; the link itself could be swapped: refused

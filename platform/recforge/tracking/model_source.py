@@ -86,7 +86,7 @@ def trusted_location(store: TrackingStore, uri: str) -> str:
 
 
 def load_trusted(store: TrackingStore, uri: str, loader: Callable[[str], T]) -> T:
-    """`loader(location)` (mlflow.pytorch.load_model, mlflow.pyfunc.load_model, ...) once `trusted_location` accepted
+    """`loader(location)` (an MLflow flavour's load_model) once `trusted_location` accepted
     `uri`. The tracking URI is set to the store's (an `mlflow-artifacts:` location resolves through it)."""
     location = trusted_location(store, uri)
     mlflow.set_tracking_uri(store.tracking_uri)
