@@ -6,10 +6,10 @@ each fault must do. Faults are injected from outside with recforge.pipelines.fau
     recforge bench faults                      # every fault, 6,000 rows, MLflow down 30 s
     recforge bench faults --only worker_sigkill,checkpoint_nan --rows 4000
 
-The Airflow faults (SIGKILL of the task process running `train`, the scheduler restarted mid-run) need a live
-Airflow + MLflow (scripts/services.sh, several minutes to start on 2 cores): they are measured by
-tests/e2e/test_train_retry_resumes.py, whose report (tests/e2e/artifacts/train_retry_resumes.json) is folded into
-the table when it exists.
+The Airflow faults (SIGKILL of the task process running `train`, then the scheduler restarted while the task
+awaits its retry) need live Airflow + MLflow: the bench runs tests/e2e/test_train_retry_resumes.py (it starts
+scripts/services.sh, injects both faults into one DAG run and checks the lineage) and folds its report into the
+table; `--no-airflow` folds in an existing report instead.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import json  # noqa: E402
 import platform as py_platform  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
@@ -273,17 +274,33 @@ def f_checkpoint_dir_full(data: dict, run: Path, args: argparse.Namespace) -> di
                    f"growing it" if failed_clearly else message[:200]}
 
 
-def airflow_rows() -> list[dict]:
-    report = REPO / "tests" / "e2e" / "artifacts" / "train_retry_resumes.json"
+def run_airflow_faults(out_dir: Path) -> tuple[Path, str]:
+    """The live-services run that injects both Airflow faults (its report lands in `out_dir`), and its output's
+    tail when it failed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "RECFORGE_TEST_ARTIFACTS": str(out_dir)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           str(REPO / "tests" / "e2e" / "test_train_retry_resumes.py")]
+    print("airflow faults: live services + one DAG run (tests/e2e/test_train_retry_resumes.py) ...", flush=True)
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired as e:
+        return out_dir / "train_retry_resumes.json", f"timed out after {e.timeout:.0f} s"
+    tail = "" if proc.returncode == 0 else (proc.stdout + proc.stderr)[-1500:]
+    return out_dir / "train_retry_resumes.json", tail
+
+
+def airflow_rows(report: Path, failure: str = "") -> list[dict]:
     base = {"rows_lost": None, "rows_twice_in_lineage": None, "auc_diff": None, "time_lost_s": None}
-    if not report.exists():
-        return [{**base, "fault": f, "survived": "not run", "how": "needs live Airflow + MLflow: run "
-                 "tests/e2e/test_train_retry_resumes.py (its report is folded in here)"} for f in FAULTS[-2:]]
+    if failure or not report.exists():
+        why = f"the live run failed: {failure}" if failure else ("no report at " + str(report) + ": run without "
+                                                                  "--no-airflow")
+        return [{**base, "fault": f, "survived": "no" if failure else "not run", "how": why} for f in FAULTS[-2:]]
     r = json.loads(report.read_text())
     auc_diff = (r["auc_resumed"] - r["auc_undisturbed"]) if "auc_undisturbed" in r else None
     row = {**base, "survived": "yes" if [t["state"] for t in r["tries"]] == ["failed", "success"] else "no",
            "rows_lost": 0 if r.get("lineage_exactly_once", True) else None, "rows_twice_in_lineage": 0,
-           "auc_diff": auc_diff, "time_lost_s": r.get("time_lost_s"), "source": str(report.relative_to(REPO))}
+           "auc_diff": auc_diff, "time_lost_s": r.get("time_lost_s"), "source": str(report)}
     rows = [{**row, "fault": "airflow_task_sigkill", "how": f"e2e run {r['run_id']}: resumed from step "
              f"{r['checkpoints'].get('resumed_from_step')}"}]
     if "scheduler_restart_s" in r:
@@ -304,6 +321,8 @@ def main() -> None:
     p.add_argument("--only", default="", help=f"comma-separated subset of {','.join(FAULTS)}")
     p.add_argument("--out", type=Path, default=RESULTS / "faults.json")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
+    p.add_argument("--no-airflow", action="store_true",
+                   help="do not start live services for the Airflow faults; fold in tests/e2e/artifacts' report")
     args = p.parse_args()
     only = [f for f in args.only.split(",") if f] or list(FAULTS)
     unknown = sorted(set(only) - set(FAULTS))
@@ -344,7 +363,12 @@ def main() -> None:
                    "how": f"bench error: {type(e).__name__}: {str(e)[:300]}", "traceback": traceback.format_exc()}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "traceback"}, default=str), flush=True)
-    rows += [r for r in airflow_rows() if r["fault"] in only]
+    if any(f.startswith("airflow_") for f in only):
+        if args.no_airflow:
+            report, failure = REPO / "tests" / "e2e" / "artifacts" / "train_retry_resumes.json", ""
+        else:
+            report, failure = run_airflow_faults(root / "airflow")
+        rows += [r for r in airflow_rows(report, failure) if r["fault"] in only]
     if args.only and args.out.exists():  # a subset re-measured: the other faults' rows stay as they were
         fresh = {r["fault"] for r in rows}
         kept = [r for r in json.loads(args.out.read_text()).get("faults", []) if r["fault"] not in fresh]

@@ -117,10 +117,17 @@ class LiveServices:
                 failed.append(run["dag_run_id"])
         return failed
 
-    def trigger(self, run_id: str, conf: dict) -> httpx.Response:
+    def trigger(self, run_id: str, conf: dict, attempts: int = 5) -> httpx.Response:
+        """POST a DAG run. A 500 "Database error" (SQLite locked while the scheduler writes, e.g. right after the
+        unpause) rolled the insert back: tried again, `attempts` times in all, 2 s apart."""
         self.owned.add(run_id)
-        return self.api("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
-                        json={"dag_run_id": run_id, "logical_date": None, "conf": conf})
+        for _ in range(attempts):
+            r = self.api("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
+                         json={"dag_run_id": run_id, "logical_date": None, "conf": conf})
+            if r.status_code != 500 or "Database error" not in r.text:
+                return r
+            time.sleep(2)
+        return r
 
     def wait_for_run(self, run_id: str, timeout: float = 600) -> dict:
         self.owned.add(run_id)
