@@ -1,4 +1,11 @@
-"""recforge_daily: ingest -> plan -> train -> evaluate -> compile -> publish, once a day.
+"""recforge_daily: wait for the day's data -> generate -> ingest -> plan -> train -> evaluate -> compile -> publish,
+once a day.
+
+wait_for_data (recforge.pipelines.landing_sensor) waits, deferred to the triggerer, until the run's landing files
+(Param source_uri, e.g. /data/landing/day_{ds}.tsv.gz) have landed: the train_days days ending with the run's day,
+and with holdout next_day the day after; it fails after sensor_timeout_s naming the missing paths. With source_uri
+empty the run uses synthetic days. `airflow backfill create --dag-id recforge_daily --from-date A --to-date B` runs
+each day of a range once; re-running a day replaces its outputs.
 
 Wiring only: every task calls a function in recforge.pipelines, which imports the heavy
 libraries (torch, torchrec, mlflow) inside the task, so parsing this file stays fast.
@@ -17,8 +24,10 @@ from itertools import pairwise
 
 import pendulum
 from airflow.sdk import Param, dag, get_current_context, task
+from airflow.timetables.interval import CronDataIntervalTimetable
 
 from recforge.pipelines.dag_tasks import close_open_runs, default_params, run_stage_from_context, stage_timeout
+from recforge.pipelines.landing_sensor import wait_for_data
 
 
 def _stage(name: str):
@@ -31,7 +40,9 @@ def _stage(name: str):
 
 @dag(
     dag_id="recforge_daily",
-    schedule="@daily",
+    # data intervals: the run scheduled at midnight processes the day that just ended (its logical date), whose
+    # landing file is complete; with holdout next_day it then waits for the following day's file (sensor_timeout_s)
+    schedule=CronDataIntervalTimetable("@daily", timezone="UTC"),
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
@@ -45,7 +56,8 @@ def _stage(name: str):
     doc_md=__doc__,
 )
 def recforge_daily():
-    stages = [_stage(n) for n in ("generate", "ingest", "plan_resources", "train", "evaluate", "compile", "publish")]
+    stages = [wait_for_data(execution_timeout=stage_timeout("wait_for_data"))]
+    stages += [_stage(n) for n in ("generate", "ingest", "plan_resources", "train", "evaluate", "compile", "publish")]
     for upstream, downstream in pairwise(stages):
         upstream >> downstream
 

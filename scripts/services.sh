@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The local recforge services (make up / make down): Airflow api-server, scheduler and dag-processor, and the
-# MLflow tracking server, each in its own process group with a log in $RECFORGE_HOME/logs/<name>.log and a
+# The local recforge services (make up / make down): Airflow api-server, scheduler, dag-processor and triggerer
+# (recforge_daily's wait_for_data sensor defers to it), and the MLflow tracking server, each in its own process group with a log in $RECFORGE_HOME/logs/<name>.log and a
 # pid file in $RECFORGE_HOME/run/<name>.pid. Environment: scripts/env.sh.
 # Every service runs with RECFORGE_SERVICES_HOME=$RECFORGE_HOME in its environment, and so does everything it
 # starts (task processes, a job's torchrun and ranks): `down` finds the platform's processes by it, wherever
@@ -9,8 +9,9 @@
 #   RECFORGE_VENV        venv with airflow and mlflow (default <repo>/.venv)
 #   RECFORGE_UP_TIMEOUT  seconds to wait for the health checks (default 300)
 #   RECFORGE_DOWN_GRACE  seconds down waits after each SIGTERM step before the next one, SIGKILL last (default 30)
-#   RECFORGE_TRIGGERER   1: also run `airflow triggerer`, which deferrable operators need (recforge's DAGs use
-#                        none, so it is off by default); down/status always cover it
+#   RECFORGE_SOURCE_URI  the landing zone recforge_daily waits for and reads (its source_uri Param's default;
+#                        default $RECFORGE_HOME/landing/day_{ds}.tsv.gz, `recforge land-synthetic` seeds it; set but
+#                        empty: synthetic days)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -28,9 +29,9 @@ AIRFLOW_URL=http://$AIRFLOW__API__HOST:$AIRFLOW__API__PORT   # the servers this 
 MLFLOW_URL=http://$RECFORGE_HOST:$RECFORGE_MLFLOW_PORT
 PASSWORDS=$AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE
 NOTED=()
-SERVICES=(api-server scheduler dag-processor mlflow)
-ALL_SERVICES=(api-server scheduler dag-processor triggerer mlflow)   # what down and status look for
-[[ ${RECFORGE_TRIGGERER:-0} == 1 ]] && SERVICES=(api-server scheduler dag-processor triggerer mlflow)
+SERVICES=(api-server scheduler dag-processor triggerer mlflow)
+ALL_SERVICES=("${SERVICES[@]}")   # what down and status look for
+export RECFORGE_SOURCE_URI=${RECFORGE_SOURCE_URI-$RECFORGE_HOME/landing/day_\{ds\}.tsv.gz}
 export PATH=$BIN:$PATH   # task processes launch workers with the venv's python / torchrun
 
 say() { printf '[services] %s\n' "$*"; }
@@ -150,13 +151,12 @@ signal_each() {  # signal, "pid sid command" lines: send it to each, saying so
     done <<<"$2"
 }
 
-airflow_healthy() {  # api-server answers and reports the scheduler and the dag-processor healthy
+airflow_healthy() {  # api-server answers and reports the scheduler, the dag-processor and the triggerer healthy
     curl -fsS --max-time 5 "$AIRFLOW_URL/api/v2/monitor/health" 2>/dev/null | "$BIN/python" -c '
 import json, sys
 h = json.load(sys.stdin)
-need = ["metadatabase", "scheduler", "dag_processor"] + (["triggerer"] if sys.argv[1] == "1" else [])
-ok = all((h.get(k) or {}).get("status") == "healthy" for k in need)
-sys.exit(0 if ok else 1)' "${RECFORGE_TRIGGERER:-0}" 2>/dev/null
+need = ["metadatabase", "scheduler", "dag_processor", "triggerer"]
+sys.exit(0 if all((h.get(k) or {}).get("status") == "healthy" for k in need) else 1)' 2>/dev/null
 }
 
 mlflow_healthy() { curl -fsS --max-time 5 "$MLFLOW_URL/health" >/dev/null 2>&1; }
@@ -258,7 +258,6 @@ down() {
 status() {
     local name rc=0
     for name in "${ALL_SERVICES[@]}"; do
-        [[ $name == triggerer && ${RECFORGE_TRIGGERER:-0} != 1 && ! -e $RUN/$name.pid ]] && continue
         if running "$name"; then printf '  %-14s running (pid %s)\n' "$name" "$(pid_of "$name")"
         elif [[ -e $RUN/$name.pid ]]; then printf '  %-14s dead (stale pid file)\n' "$name"; rc=1
         else printf '  %-14s stopped\n' "$name"; rc=1

@@ -14,6 +14,7 @@ import logging
 import os
 import platform
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -57,6 +58,20 @@ def build_name() -> str:
     return f"recforge_fused_cpu_{h.hexdigest()[:16]}"
 
 
+STALE_LOCK_S = 600.0  # a build takes ~40 s; a lock this old was left by a build that was killed
+
+
+def clear_stale_lock(build: Path) -> None:
+    """torch's build lock (FileBaton) waits forever on a lock file a killed build left behind: remove an old one."""
+    lock = build / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("recforge_kernels: removing a stale build lock %s (older than %.0f s)", lock, STALE_LOCK_S)
+            lock.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+
+
 def load(verbose: bool = False) -> bool:
     """Build (first time) and load the extension; True when `torch.ops.recforge_cpu` is usable."""
     with _lock:
@@ -71,6 +86,7 @@ def load(verbose: bool = False) -> bool:
             name = build_name()
             build = cache_dir() / name
             build.mkdir(parents=True, exist_ok=True)
+            clear_stale_lock(build)
             load_ext(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, build_directory=str(build),
                      is_python_module=False, verbose=verbose)
             torch.ops.recforge_cpu.sigrid_hash  # noqa: B018 (raises if the library did not register)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load
 
-from recforge_kernels.cpu_ext import cache_dir, cpu_signature
+from recforge_kernels.cpu_ext import cache_dir, clear_stale_lock, cpu_signature
 from recforge_kernels.embedding_layout import cpp_macros
 
 CSRC = Path(__file__).parent / "csrc"
@@ -53,6 +53,7 @@ def module():
             name = build_name()
             build = cache_dir() / name
             build.mkdir(parents=True, exist_ok=True)
+            clear_stale_lock(build)
             _module = load(name=name, sources=[str(SOURCE)], extra_cflags=flags(), extra_ldflags=["-fopenmp"],
                            build_directory=str(build), verbose=False)
     return _module

@@ -139,6 +139,11 @@ def fused_logit(xs: list[Tensor], lo: list[float], hi: list[float]) -> list[Tens
     return _dispatch("logit", xs, lo, hi)
 
 
+@_elementwise("log1p", torch.float32, "log1p(max(x, 0)) in float64 -> float32; NaN stays NaN")
+def fused_log1p(xs: list[Tensor]) -> list[Tensor]:
+    return _dispatch("log1p", xs)
+
+
 @_elementwise("boxcox", torch.float32, "x > 0: boxcox(x, lambdas[f]) in float64 -> float32; else x")
 def fused_boxcox(xs: list[Tensor], lambdas: list[float]) -> list[Tensor]:
     return _dispatch("boxcox", xs, lambdas)

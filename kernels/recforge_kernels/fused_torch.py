@@ -77,6 +77,10 @@ def logit(xs: list[Tensor], lo: list[float], hi: list[float]) -> list[Tensor]:
     return out
 
 
+def log1p(xs: list[Tensor]) -> list[Tensor]:
+    return [torch.log1p(torch.clamp(x.to(torch.float64), min=0.0)).to(torch.float32) for x in xs]
+
+
 def boxcox(xs: list[Tensor], lambdas: list[float]) -> list[Tensor]:
     out = []
     for x, lam in zip(xs, lambdas, strict=True):

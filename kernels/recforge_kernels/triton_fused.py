@@ -95,6 +95,20 @@ def _logit_kernel(x_ptr, y_ptr, off_ptr, lo_ptr, hi_ptr):
 
 
 @triton.jit
+def _log1p_kernel(x_ptr, y_ptr, off_ptr):
+    f, i, m = _span(off_ptr)
+    x = tl.load(x_ptr + i, mask=m, other=0.0).to(tl.float64)
+    x = tl.where(x < 0, 0.0, x)  # NaN fails the test and stays NaN
+    # log1p without a libdevice call (the interpreter and every backend have log): u = 1 + x rounded;
+    # log(u) * x / (u - 1) corrects the rounding of u (Goldberg), exact enough in float64 for a float32 result
+    u = 1.0 + x
+    d = tl.where(u == 1.0, 1.0, u - 1.0)
+    y = tl.where(u == 1.0, x, tl.log(u) * (x / d))
+    y = tl.where(x == float("inf"), x, y)
+    tl.store(y_ptr + i, y.to(tl.float32), mask=m)
+
+
+@triton.jit
 def _boxcox_kernel(x_ptr, y_ptr, off_ptr, lam_ptr):
     f, i, m = _span(off_ptr)
     x = tl.load(x_ptr + i, mask=m, other=1.0)
@@ -231,6 +245,10 @@ def logit(xs, lo, hi):
     return _elementwise(_logit_kernel, xs, torch.float32, _params(lo, torch.float32, d), _params(hi, torch.float32, d))
 
 
+def log1p(xs):
+    return _elementwise(_log1p_kernel, xs, torch.float32)
+
+
 def boxcox(xs, lambdas):
     lam = [float(torch.tensor(v, dtype=torch.float32)) for v in lambdas]
     return _elementwise(_boxcox_kernel, xs, torch.float32, _params(lam, torch.float32, xs[0].device))
@@ -322,7 +340,8 @@ def ngram(xs, n):
 
 
 KERNELS: dict[str, Callable[..., list[Tensor]]] = {
-    "sigrid_hash": sigrid_hash, "logit": logit, "boxcox": boxcox, "clamp_float": clamp_float, "clamp_id": clamp_id,
+    "sigrid_hash": sigrid_hash, "logit": logit, "log1p": log1p, "boxcox": boxcox, "clamp_float": clamp_float,
+    "clamp_id": clamp_id,
     "bucketize": bucketize, "mapid": mapid, "cast": cast, "fill_null": fill_null, "onehot": onehot,
     "firstx": firstx, "ngram": ngram, "fill_null_columns": fill_null_columns,
 }

@@ -18,11 +18,27 @@ from recforge.demo import how_to_open, run_demo
 from recforge.elastic.simulate.cli import app as simulate_app
 from recforge.pipelines.context import RunContext
 from recforge.pipelines.runner import STAGE_FUNCTIONS, STAGES
+from recforge.pipelines.stage import is_data_error
 from recforge.pipelines.summary import fmt, summarize
 from recforge.preprocess.presets import load_plan
 from recforge.settings import repo_root
 
-app = typer.Typer(help="recforge: train and serve deep learning recommendation models", no_args_is_help=True)
+
+class _App(typer.Typer):
+    """The CLI: a DataError (the input data is bad, recforge.data.errors) prints `data error: <one line>` to stderr
+    and exits 2, with no traceback; any other exception keeps typer's handling."""
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as e:
+            if not is_data_error(e):  # (checked by class without importing recforge.data: pyarrow)
+                raise
+            print(f"data error: {' '.join(str(e).split())}", file=sys.stderr)
+            sys.exit(2)
+
+
+app = _App(help="recforge: train and serve deep learning recommendation models", no_args_is_help=True)
 data_app = typer.Typer(help="raw day files: generate and validate", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 app.add_typer(simulate_app, name="simulate")
@@ -69,7 +85,8 @@ def data_validate(
 @app.command()
 def preprocess(
     manifest_dir: Path,
-    plan: str = typer.Option("criteo", help="'criteo' (RAP plan 0 over the manifest's dataset), a preset "
+    plan: str = typer.Option("schema", help="'schema' (the default plan, from the dataset's column roles), "
+                                            "'criteo' (RAP plan 0 over the manifest's dataset), a preset "
                                             "(plan0..plan3) or a plan JSON/YAML file"),
     executor: str = typer.Option("fused", help="eager | fused | dali"),
     table_cap: int = 100_000, batch_size: int = 8192,
@@ -169,6 +186,30 @@ def demo(rows_per_day: int = 200_000, workers: int = 2, epochs: int = 1):
     summary_data = run_demo(rows_per_day=rows_per_day, workers=workers, epochs=epochs, console=console)
     _print_summary(summary_data)
     console.print(how_to_open())
+
+
+@app.command("land-synthetic")
+def land_synthetic(
+    start: str = typer.Option(..., help="first day, YYYY-MM-DD"),
+    days: int = typer.Option(2, min=1, help="number of consecutive days"),
+    dir: Path = typer.Option(None, help="landing directory (default $RECFORGE_HOME/landing, make up's source_uri)"),
+    rows_per_day: int = typer.Option(200_000, min=1), seed: int = 0, dataset: str = "criteo_kaggle",
+):
+    """Land synthetic days as DIR/day_{ds}.tsv.gz (temp + rename), what recforge_daily waits for by default."""
+    from datetime import date  # lazy: only this command parses dates
+
+    from recforge.pipelines.landing import land_synthetic as land  # lazy: fsspec; numpy when days are generated
+    from recforge.settings import recforge_home  # lazy: only this command needs the home directory
+
+    try:
+        first = date.fromisoformat(start)
+    except ValueError:
+        raise typer.BadParameter(f"{start!r} is not a day (YYYY-MM-DD)", param_hint="--start") from None
+    target = dir or recforge_home() / "landing"
+    with console.status(f"landing {days} synthetic day(s) x {rows_per_day:,} rows in {target}"):
+        files = land(target, first, days, rows_per_day=rows_per_day, seed=seed, dataset=dataset)
+    for f in files:
+        console.print(str(f))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

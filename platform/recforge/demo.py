@@ -1,4 +1,7 @@
-"""`make demo`: run the recforge_daily DAG once through Airflow (`airflow dags test`) on the embedded defaults."""
+"""`make demo`: run the recforge_daily DAG once through Airflow (`airflow dags test`) on the embedded defaults.
+
+No data needed: the demo seeds the landing zone ($RECFORGE_HOME/landing) with synthetic days for the run's window
+(landing.land_synthetic), so the run goes the production path: wait_for_data sees them land, generate reads them."""
 from __future__ import annotations
 
 import json
@@ -6,20 +9,23 @@ import os
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from recforge.config import PipelineConfig
+from recforge.pipelines import landing
 from recforge.pipelines.context import EXPERIMENT, RunContext
-from recforge.pipelines.dag_tasks import stage_timeout
+from recforge.pipelines.dag_tasks import config_from_params, stage_timeout
 from recforge.pipelines.runner import STAGES
 from recforge.pipelines.summary import summarize
 from recforge.settings import apply_embedded_env
 
 DAG_ID = "recforge_daily"
 MIGRATE_TIMEOUT_S = 600.0  # `airflow db migrate` of the embedded SQLite database
+DEMO_POKE_S = 2.0  # the demo's just-written days count as landed after this long (sensor_poke_s)
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
@@ -68,9 +74,15 @@ def run_demo(rows_per_day: int, workers: int, epochs: int, console: Console) -> 
         if code != 0:
             raise RuntimeError(f"airflow db migrate failed; see {log}:\n{_tail(log)}")
 
-    conf = {"rows_per_day": rows_per_day, "workers": workers, "epochs": epochs}
+    when = datetime.now(UTC).replace(microsecond=0)  # the run's logical date: its day is today's
+    zone = home / "landing"
+    conf = {"rows_per_day": rows_per_day, "workers": workers, "epochs": epochs,
+            "source_uri": str(zone / "day_{ds}.tsv.gz"), "sensor_poke_s": DEMO_POKE_S}
+    days = landing.window(PipelineConfig.model_validate(config_from_params(conf)), when.date())
+    with console.status(f"landing synthetic days {days[0][0]} .. {days[-1][0]} in {zone}"):
+        landing.land_synthetic(zone, days[0][0], len(days), rows_per_day=rows_per_day)
     start = time.time()
-    proc = _airflow("dags", "test", DAG_ID, "-c", json.dumps(conf), log=log, env=env)
+    proc = _airflow("dags", "test", DAG_ID, when.isoformat(), "-c", json.dumps(conf), log=log, env=env)
     limit_s = sum(stage_timeout(s).total_seconds() for s in STAGES)  # each task is bounded by its own too
     runs = home / "runs" / EXPERIMENT
     run_dir = None

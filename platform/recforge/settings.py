@@ -56,11 +56,13 @@ def embedded_env(home: Path | None = None) -> dict[str, str]:
         "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow' / 'mlflow.db'}",
         "RECFORGE_MLFLOW_ARTIFACTS": str(home / "mlflow" / "artifacts"),
         "RECFORGE_MLFLOW_URL": "http://127.0.0.1:5000",
+        # the landing zone recforge_daily reads by default (its source_uri Param; empty: synthetic days)
+        "RECFORGE_SOURCE_URI": str(home / "landing" / "day_{ds}.tsv.gz"),
     }
 
 
 def apply_embedded_env(home: Path | None = None) -> dict[str, str]:
-    """Fill in whatever the caller's environment does not already set."""
+    """Fill in whatever the caller's environment does not already set (set but empty counts as set)."""
     env = embedded_env(home)
     for key, value in env.items():
         os.environ.setdefault(key, value)

@@ -125,7 +125,7 @@ def test_trigger_from_the_ui_then_browse_recforge_and_mlflow(live, browser):
               for e in browser.find_elements(By.CSS_SELECTOR, "#stages [data-stage]")}
     assert set(states.values()) == {"done"} and len(states) == 7, states
     chains = browser.find_element(By.ID, "plan-chains").text
-    assert "fill_null → sigrid_hash → firstx" in chains and "fill_null → logit" in chains, chains
+    assert "fill_null → sigrid_hash → firstx" in chains and "fill_null → log1p" in chains, chains
     assert browser.find_element(By.ID, "run-status").get_attribute("data-state") == "complete"
     # per system what it decided, did and measured (or, in words, why it did not run); the training curve
     systems = {e.get_attribute("data-system"): e.get_attribute("data-state")

@@ -1,16 +1,23 @@
 """End to end against live services (scripts/services.sh up): trigger recforge_daily through Airflow's REST API
 with changed Params, wait for success, then check through MLflow's REST API that the pipeline's runs, the
 registered model version and its alias exist and match the Params. Also: authentication is required
-everywhere (the RecForge page included), and invalid Params are refused naming the field."""
+everywhere (the RecForge page included), and invalid Params are refused naming the field. A backfill over two
+landed days runs each day once, and a cleared day re-runs in place."""
+import json
+import subprocess
+import sys
 import time
 import uuid
+from datetime import date
+from pathlib import Path
 
 import httpx
 import jwt
 import pytest
 
-from e2e_services import DAG_ID, TINY
+from e2e_services import DAG_ID, REPO, TINY
 from recforge.pipelines.context import run_key_from
+from recforge.pipelines.landing import land_synthetic
 from recforge.pipelines.outputs import STAGE_OUTPUTS
 
 pytestmark = pytest.mark.slow
@@ -126,3 +133,109 @@ def test_triggered_run_is_tracked_registered_and_aliased_in_mlflow(live):
     assert publish_run in next(s["url"] for s in page["stages"] if s["name"] == "publish")
     assert page["publish"]["url"].endswith(f"/#/models/recforge-dlrm/versions/{version['version']}")
     assert page["publish"]["url"].startswith(live.mlflow_url)
+
+
+def test_the_triggerer_runs(live):
+    """make up runs the triggerer (recforge_daily's wait_for_data defers to it): healthy, not red on the home page."""
+    health = live.api("GET", "/api/v2/monitor/health").json()
+    assert health["triggerer"]["status"] == "healthy", health
+
+
+def _airflow_cli(live, *args: str) -> subprocess.CompletedProcess:
+    """The `airflow` CLI as the README runs it (`. scripts/env.sh && airflow ...`) against the live services."""
+    script = '. scripts/env.sh && exec "$RECFORGE_VENV_BIN/airflow" "$@"'
+    return subprocess.run(["bash", "-c", script, "airflow", *args],
+                          env={**live.env, "RECFORGE_VENV_BIN": str(Path(sys.executable).parent)}, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_backfill_runs_each_day_once_and_a_cleared_day_reruns_in_place(live):
+    """`airflow backfill create` over two days: one DAG run per day, each succeeds; the second day's file lands only
+    once its wait_for_data is deferred to the triggerer (which then sees it); a second backfill over the range adds
+    no run; clearing one day's data tasks re-runs them in place (same MLflow runs, outputs replaced, not
+    duplicated)."""
+    days = [date(2026, 1, 5), date(2026, 1, 6)]
+    land_synthetic(live.home / "landing", days[0], 1, rows_per_day=TINY["rows_per_day"])
+    conf = {**TINY, "workers": 1, "resources_policy": "static", "preprocessing": "inline", "holdout": "split",
+            "sensor_poke_s": 2}
+    backfill = ["backfill", "create", "--dag-id", DAG_ID, "--from-date", days[0].isoformat(), "--to-date",
+                days[-1].isoformat(), "--max-active-runs", "1", "--dag-run-conf", json.dumps(conf)]
+    t0 = time.monotonic()
+    out = _airflow_cli(live, *backfill)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    def backfill_runs() -> list[dict]:
+        return [r for r in live.runs() if r["run_type"] == "backfill"]
+
+    runs = backfill_runs()
+    assert sorted(r["logical_date"][:10] for r in runs) == [d.isoformat() for d in days], runs
+    live.owned.update(r["dag_run_id"] for r in runs)
+    runs.sort(key=lambda r: r["logical_date"])
+    live.wait_for_run(runs[0]["dag_run_id"], timeout=900)
+    sensor = f"/api/v2/dags/{DAG_ID}/dagRuns/{runs[1]['dag_run_id']}/taskInstances/wait_for_data"
+    deadline = time.monotonic() + 300
+    while (state := live.api("GET", sensor).json().get("state")) != "deferred":
+        assert state in (None, "scheduled", "queued", "running") and time.monotonic() < deadline, \
+            f"wait_for_data of the second day is {state}, not deferred\n{live.describe(runs[1]['dag_run_id'])}"
+        time.sleep(2)
+    land_synthetic(live.home / "landing", days[1], 1, rows_per_day=TINY["rows_per_day"])  # the triggerer sees it
+    live.wait_for_run(runs[1]["dag_run_id"], timeout=900)
+    print(f"backfill of {len(days)} days: {time.monotonic() - t0:.0f} s")
+    # each day once: one DAG run and one MLflow pipeline run per day; again over the range (once the scheduler has
+    # marked the first backfill complete: one active backfill per DAG): no new run
+    deadline = time.monotonic() + 180
+    while any(b["completed_at"] is None for b in live.api("GET", "/api/v2/backfills",
+                                                          params={"dag_id": DAG_ID}).json()["backfills"]):
+        assert time.monotonic() < deadline, "the scheduler did not mark the backfill complete within 180 s"
+        time.sleep(2)
+    again = _airflow_cli(live, *backfill)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert sorted(r["dag_run_id"] for r in backfill_runs()) == sorted(r["dag_run_id"] for r in runs)
+    exp = live.mlflow("GET", "experiments/get-by-name", params={"experiment_name": DAG_ID})["experiment"]
+
+    def stage_runs(key: str) -> dict[str, list[str]]:
+        found = live.mlflow("POST", "runs/search", json={
+            "experiment_ids": [exp["experiment_id"]], "filter": f"tags.`recforge.run_key` = '{key}'",
+            "max_results": 100})["runs"]
+        by_stage: dict[str, list[str]] = {}
+        for r in found:
+            tags = {t["key"]: t["value"] for t in r["data"].get("tags", [])}
+            by_stage.setdefault(tags["recforge.stage"], []).append(r["info"]["run_id"])
+        return by_stage
+
+    first = runs[0]
+    key = run_key_from(first["dag_run_id"])
+    before = stage_runs(key)
+    assert sorted(before) == sorted(STAGES + ["pipeline"]) and all(len(v) == 1 for v in before.values()), before
+    run_dir = live.home / "runs" / DAG_ID / key
+    gen = json.loads((run_dir / "generate" / "outputs.json").read_text())
+    assert gen["synthetic"] is False and gen["run_day"] == first["logical_date"][:10] and gen["holdout"] == "split"
+    ingest_before = json.loads((run_dir / "ingest" / "outputs.json").read_text())
+
+    # re-run the day's data tasks: replaced in place
+    r = live.api("POST", f"/api/v2/dags/{DAG_ID}/clearTaskInstances", json={
+        "dag_run_id": first["dag_run_id"], "task_ids": ["wait_for_data", "generate", "ingest"],
+        "include_downstream": False, "include_upstream": False, "only_failed": False, "reset_dag_runs": True,
+        "dry_run": False})
+    assert r.status_code == 200, r.text
+    tries = {}
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        tis = live.api("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{first['dag_run_id']}/taskInstances").json()
+        tries = {t["task_id"]: (t["try_number"], t["state"]) for t in tis["task_instances"]}
+        if tries["ingest"][0] > 1 and tries["ingest"][1] == "success":
+            break
+        assert tries["ingest"][1] not in ("failed", "upstream_failed"), live.describe(first["dag_run_id"])
+        time.sleep(3)
+    assert tries["ingest"][0] > 1 and tries["ingest"][1] == "success", tries
+    live.wait_for_run(first["dag_run_id"], timeout=300)
+    after = stage_runs(key)
+    assert after == before  # the same MLflow runs, reused; none added
+    ingest_after = json.loads((run_dir / "ingest" / "outputs.json").read_text())
+    assert {k: ingest_after[k] for k in ("train", "holdout", "rows_ingested", "mlflow_run_id")} == \
+        {k: ingest_before[k] for k in ("train", "holdout", "rows_ingested", "mlflow_run_id")}
+    train_dir = Path(ingest_after["train"]["manifest_dir"])
+    assert len(list(train_dir.glob("part-*.parquet"))) == ingest_after["train"]["shards"]
+    leftovers = [p for p in run_dir.iterdir() if p.name.startswith(".")]  # a stage's .<stage>.tmp-<pid>
+    leftovers += [p for stage in ("generate", "ingest") for p in (run_dir / stage).rglob(".*")]
+    assert not leftovers, f"temp files left behind: {leftovers}"

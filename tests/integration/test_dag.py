@@ -34,7 +34,7 @@ def airflow_home(tmp_path_factory):
 
 
 def test_dagbag_imports_cleanly_and_without_heavy_modules(airflow_home):
-    _, env = airflow_home
+    home, env = airflow_home
     code = (
         "import sys, json\n"
         "from airflow.dag_processing.dagbag import DagBag\n"
@@ -45,15 +45,24 @@ def test_dagbag_imports_cleanly_and_without_heavy_modules(airflow_home):
         "  'tasks': sorted(dag.task_ids),\n"
         "  'schedule': str(dag.schedule), 'catchup': dag.catchup, 'params': sorted(dag.params.keys()),\n"
         "  'workers': dag.params.get_param('workers').schema, 'retries': dag.default_args['retries'],\n"
-        "  'on_failure': getattr(dag.on_failure_callback, '__name__', None)}))\n"
+        "  'on_failure': getattr(dag.on_failure_callback, '__name__', None),\n"
+        "  'roots': [t.task_id for t in dag.roots], 'first': sorted(dag.get_task('wait_for_data').downstream_task_ids),"
+        "\n  'sensor': type(dag.get_task('wait_for_data')).__mro__[1].__name__,\n"
+        "  'deferrable': dag.get_task('wait_for_data').deferrable,\n"
+        "  'source_uri': dag.params.get_param('source_uri').value}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     info = json.loads(out.stdout.strip().splitlines()[-1])
     assert info["errors"] == {}
     assert info["heavy"] == [], "parsing the DAG must not import heavy libraries"
-    assert set(info["tasks"]) == {"generate", "ingest", "plan_resources", "train", "evaluate", "compile", "publish"}
-    assert info["schedule"] == "@daily" and info["catchup"] is False
-    assert {"dataset_preset", "rows_per_day", "workers", "epochs", "batch_size", "seed", "resources_policy",
+    assert set(info["tasks"]) == {"wait_for_data", "generate", "ingest", "plan_resources", "train", "evaluate",
+                                  "compile", "publish"}
+    # the deferrable landing sensor comes first; make up's landing zone is the source_uri default
+    assert info["roots"] == ["wait_for_data"] and info["first"] == ["generate"]
+    assert info["sensor"] == "BaseSensorOperator" and info["deferrable"] is True
+    assert info["source_uri"] == str(home / "landing" / "day_{ds}.tsv.gz")
+    assert "CronDataIntervalTimetable" in info["schedule"] and info["catchup"] is False
+    assert {"dataset_schema", "rows_per_day", "workers", "epochs", "batch_size", "seed", "resources_policy",
             "preprocessing", "corun_mapping", "preprocess_executor", "preprocess_plan", "max_restarts",
             "checkpoint_every_steps", "checkpoint_flash", "warm_start", "champion_min_auc"} <= set(info["params"])
     assert info["workers"] == {"type": "integer", "minimum": 1}  # bounds from the config field

@@ -37,10 +37,11 @@ def test_stages_are_idempotent(recforge_home):
 
 
 def test_a_failed_stage_leaves_no_outputs(recforge_home, tmp_path):
-    ctx = RunContext.create("bad", {"rows_per_day": 1000, "source_dir": str(tmp_path / "missing")}, home=recforge_home)
+    ctx = RunContext.create("bad", {"rows_per_day": 1000, "source_uri": str(tmp_path / "missing" / "day_{ds}.tsv")},
+                            home=recforge_home, data_day=739_000)
     import pytest
 
-    with pytest.raises(FileNotFoundError, match="day files"):
+    with pytest.raises(FileNotFoundError, match="no landing file for day"):
         generate(ctx)
     assert not (ctx.stage_dir("generate") / "outputs.json").exists()
     assert not ctx.stage_dir("generate").exists()

@@ -51,7 +51,9 @@ def test_every_task_of_every_dag_has_an_execution_timeout(tmp_path):
     missing = [f"{dag}.{task}" for dag, tasks in timeouts.items() for task, t in tasks.items() if not t]
     assert missing == [], f"tasks without an execution_timeout: {missing}"
     daily = timeouts["recforge_daily"]
-    assert set(daily) == set(STAGES) == set(STAGE_TIMEOUTS_S)
+    assert set(daily) == {"wait_for_data", *STAGES} == set(STAGE_TIMEOUTS_S)
+    # the landing sensor's own timeout (at most 7 days, a Param) fails it first, naming what is missing
+    assert daily["wait_for_data"] > PipelineConfig.model_fields["sensor_timeout_s"].metadata[-1].le
     assert daily == {**STAGE_TIMEOUTS_S, "evaluate": 123.0}  # sized per stage; the environment overrides one
     assert daily["train"] == ResourceConfig().job_timeout_s + TRAIN_MARGIN_S  # the job's own limit fits inside
 

@@ -22,7 +22,7 @@ def test_defaults_are_valid_and_presets_have_the_right_shape():
         ({"model": {"arch": "transformer"}}, "model.arch"),
         ({"model": {"embedding_dim": 8}}, "model"),  # dense_arch must end at embedding_dim
         ({"resources": {"workers": 0}}, "resources.workers"),
-        ({"dataset_preset": "nope"}, "dataset_preset"),
+        ({"dataset_schema": "nope"}, "dataset_schema"),
         ({"trian": {}}, "trian"),  # typo: unknown field is an error, not ignored
     ],
 )
@@ -40,7 +40,7 @@ def test_embedding_dim_mismatch_message():
 
 def test_duplicate_column_names_rejected():
     ds = criteo_kaggle_dataset().model_dump()
-    ds["sparse"][0]["name"] = "I1"
+    ds["columns"][14]["name"] = "I1"  # C1 renamed to a dense column's name
     with pytest.raises(ValidationError, match="I1"):
         type(criteo_kaggle_dataset()).model_validate(ds)
 

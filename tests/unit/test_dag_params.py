@@ -10,17 +10,18 @@ from typing import get_args
 
 import pytest
 
-from recforge.config import DATASET_PRESETS, PipelineConfig
+from recforge.config import PipelineConfig
 from recforge.pipelines.dag_tasks import PARAM_FIELDS, ParamError, config_from_params, default_params, params_markdown
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 # every user-facing switch of the pipeline is in the trigger form
 SWITCHES = {
-    "dataset_preset", "rows_per_day", "train_days", "workers", "threads_per_worker", "epochs", "batch_size", "seed",
-    "table_cap", "model_arch", "source_dir", "preprocessing", "corun_mapping", "preprocess_executor",
+    "dataset_schema", "rows_per_day", "train_days", "workers", "threads_per_worker", "epochs", "batch_size", "seed",
+    "table_cap", "model_arch", "source_uri", "preprocessing", "corun_mapping", "preprocess_executor",
     "preprocess_plan", "resources_policy", "max_restarts", "checkpoint_every_steps", "checkpoint_flash", "warm_start",
     "champion_margin", "champion_min_auc", "champion_min_rows", "job_timeout_s",
+    "ready_marker", "holdout", "holdout_fraction", "sensor_timeout_s", "sensor_poke_s",
 }
 
 
@@ -48,13 +49,15 @@ def test_params_are_read_off_the_fields():
     assert specs["resources_policy"] == {**specs["resources_policy"], "type": "string", "default": "dlrover",
                                          "enum": ["static", "dlrover"]}
     assert specs["warm_start"]["enum"] == ["auto", "champion", "scratch"]
-    assert specs["dataset_preset"]["enum"] == sorted(DATASET_PRESETS)
+    assert "enum" not in specs["dataset_schema"] and specs["dataset_schema"]["examples"] == [
+        "criteo_kaggle", "criteo_terabyte"]  # a schema file path is valid too
     assert (specs["workers"]["type"], specs["workers"]["minimum"]) == ("integer", 1)
     assert (specs["max_restarts"]["minimum"], specs["checkpoint_every_steps"]["minimum"]) == (0, 0)
     assert specs["champion_min_auc"] == {**specs["champion_min_auc"], "type": "number", "minimum": 0.0,
                                          "maximum": 1.0}
     assert specs["checkpoint_flash"]["type"] == specs["corun_mapping"]["type"] == "boolean"
-    assert specs["source_dir"]["type"] == ["null", "string"]  # optional in the trigger form
+    assert specs["source_uri"]["type"] == ["null", "string"]  # optional in the trigger form
+    assert specs["holdout"]["enum"] == ["next_day", "split"]
     assert "maximum" not in specs["workers"]  # no bound the config does not have
 
 
@@ -76,14 +79,14 @@ def test_airflow_params_refuse_what_the_config_refuses():
 
 def test_params_nest_into_the_config():
     cfg = PipelineConfig.model_validate(config_from_params(
-        {"workers": 3, "batch_size": 32, "model_arch": "dlrm_dcn", "preprocessing": "corun", "source_dir": "",
+        {"workers": 3, "batch_size": 32, "model_arch": "dlrm_dcn", "preprocessing": "corun", "source_uri": "",
          "corun_mapping": False, "resources_policy": "static", "max_restarts": 0, "checkpoint_every_steps": 0,
          "checkpoint_flash": False, "warm_start": "scratch", "preprocess_executor": "eager",
          "preprocess_plan": "plan1", "threads_per_worker": 2, "champion_min_rows": 10, "champion_margin": 0}))
     assert (cfg.resources.workers, cfg.train.batch_size, cfg.model.arch, cfg.preprocessing) \
         == (3, 32, "dlrm_dcn", "corun")
     assert cfg.corun.mapping is False  # a boolean False is a setting, not "not set"
-    assert cfg.source_dir is None  # an empty form field means "not set"
+    assert cfg.source_uri is None  # an empty form field means "not set": synthetic days
     assert (cfg.resources.policy, cfg.resources.max_restarts, cfg.resources.threads_per_worker) == ("static", 0, 2)
     assert (cfg.checkpoint.every_steps, cfg.checkpoint.flash, cfg.train.warm_start) == (0, False, "scratch")
     assert (cfg.preprocess_executor, cfg.preprocess_plan, cfg.champion_min_rows, cfg.champion_margin) \
@@ -106,11 +109,13 @@ def test_an_unknown_conf_key_is_named():
     ({"seed": 1.5}, "param 'seed': must be an integer, got 1.5 (float)"),
     ({"checkpoint_flash": "yes"}, "param 'checkpoint_flash': must be a boolean, got 'yes' (str)"),
     ({"champion_margin": "0.01"}, "param 'champion_margin': must be a number, got '0.01' (str)"),
-    ({"source_dir": 3}, "param 'source_dir': must be empty or a string, got 3 (int)"),
+    ({"source_uri": 3}, "param 'source_uri': must be empty or a string, got 3 (int)"),
+    ({"source_uri": "/data/day.tsv"}, "param 'source_uri': '/data/day.tsv' names no day: put {ds}"),
+    ({"holdout": "last_day"}, "param 'holdout': must be one of 'next_day' or 'split', got 'last_day'"),
     ({"preprocessing": "co-run"}, "param 'preprocessing': must be one of 'auto', 'inline', 'corun' or 'offline', "
                                   "got 'co-run'"),
     ({"resources_policy": "elastic"}, "param 'resources_policy': must be one of 'static' or 'dlrover', got 'elastic'"),
-    ({"dataset_preset": "criteo"}, "param 'dataset_preset': unknown preset 'criteo'"),
+    ({"dataset_schema": "criteo"}, "param 'dataset_schema': dataset 'criteo' is neither a shipped schema"),
 ])
 def test_a_bad_value_is_named(conf, message):
     with pytest.raises(ParamError, match=re.escape(message)):
@@ -142,3 +147,15 @@ def test_the_readme_options_table_is_the_generated_one():
     out = subprocess.run([sys.executable, "-m", "recforge.pipelines.dag_tasks", "--markdown"], capture_output=True,
                          text=True, check=True, timeout=120)
     assert out.stdout == table
+
+
+def test_the_deployments_landing_zone_is_the_source_uri_default(monkeypatch):
+    """make up sets RECFORGE_SOURCE_URI: the form's source_uri default; a bad one fails naming the variable."""
+    monkeypatch.setenv("RECFORGE_SOURCE_URI", "/srv/landing/day_{ds}.tsv.gz")
+    assert default_params()["source_uri"]["default"] == "/srv/landing/day_{ds}.tsv.gz"
+    assert "/srv/landing" not in params_markdown()  # the README's table shows the config's default
+    monkeypatch.setenv("RECFORGE_SOURCE_URI", "")  # set but empty: synthetic days
+    assert default_params()["source_uri"]["default"] is None
+    monkeypatch.setenv("RECFORGE_SOURCE_URI", "/srv/landing/day.tsv.gz")
+    with pytest.raises(ValueError, match=r"RECFORGE_SOURCE_URI='/srv/landing/day.tsv.gz': .* names no day"):
+        default_params()

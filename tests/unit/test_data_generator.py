@@ -69,12 +69,13 @@ def test_daily_dag_runs_draw_the_days_of_their_logical_date():
         run_after = datetime(2026, 11, 30, 3, 0, tzinfo=UTC)
 
     day = datetime(2026, 11, 29, tzinfo=UTC)
-    assert data_day_of({"logical_date": day, "dag_run": Run()}, {"train_days": 2}) == day.date().toordinal() - 2
+    # the train_days days end with the run's day (holdout next_day: the day after is held out)
+    assert data_day_of({"logical_date": day, "dag_run": Run()}, {"train_days": 2}) == day.date().toordinal() - 1
     nxt = data_day_of({"logical_date": datetime(2026, 11, 30, tzinfo=UTC), "dag_run": Run()}, {"train_days": 2})
-    assert nxt == day.date().toordinal() - 1  # tomorrow's run: its window slides by one day
+    assert nxt == day.date().toordinal()  # tomorrow's run: its window slides by one day
     # a manual run without a logical date (Airflow 3) falls back to run_after; the default train_days applies
     manual = data_day_of({"logical_date": None, "dag_run": Run()}, {})
-    assert manual == Run.run_after.date().toordinal() - PipelineConfig().train_days
+    assert manual == Run.run_after.date().toordinal() - PipelineConfig().train_days + 1
 
 
 def test_gzip_is_deterministic_and_same_content(tmp_path):

@@ -60,6 +60,35 @@ def test_fill_null_columns(impl, x, data):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @FAST
+@given(x=hnp.arrays(np.float64, st.tuples(st.integers(0, 70), st.integers(1, 9)),
+                    elements=st.floats(allow_nan=True, allow_infinity=True)), data=st.data())
+def test_fill_null_columns_float64(impl, x, data):
+    """Float dense columns arrive as a float64 matrix: rounded to float32 (overflow -> inf), nulls filled."""
+    valid = data.draw(hnp.arrays(np.bool_, x.shape))
+    cols_ = data.draw(st.lists(st.integers(0, x.shape[1] - 1), min_size=1, max_size=6))
+    out = kernel(impl, "fill_null_columns")(torch.from_numpy(x), torch.from_numpy(valid), cols_,
+                                            [0.5] * len(cols_), True)
+    for c, o in zip(cols_, out, strict=True):
+        with np.errstate(over="ignore"):
+            np.testing.assert_array_equal(o.numpy(), ref.fill_null_ref(x[:, c], valid[:, c], 0.5, "dense"))
+    lists = kernel(impl, "fill_null")([torch.from_numpy(x[:, 0].copy())], [torch.from_numpy(valid[:, 0].copy())],
+                                      [2.0], True)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(lists[0].numpy(), ref.fill_null_ref(x[:, 0], valid[:, 0], 2.0, "dense"))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@FAST
+@given(xs=cols(np.float32, floats32))
+def test_log1p(impl, xs):
+    out = kernel(impl, "log1p")(t(xs))
+    for x, o in zip(xs, out, strict=True):
+        assert o.dtype == torch.float32
+        np.testing.assert_allclose(o.numpy(), ref.log1p_ref(x), rtol=1e-6, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@FAST
 @given(xs=cols(np.int64, int64s), data=st.data())
 def test_fill_null_list_values(impl, xs, data):
     valids = [data.draw(hnp.arrays(np.bool_, x.shape)) for x in xs]

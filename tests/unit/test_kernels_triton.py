@@ -33,6 +33,8 @@ CHECK = textwrap.dedent('''
     same(tri.sigrid_hash(ints, salts, moduli), ref.sigrid_hash(ints, salts, moduli), "sigrid_hash")
     same(tri.logit(floats, [1e-5] * 4, [0.99999] * 4), ref.logit(floats, [1e-5] * 4, [0.99999] * 4), "logit")
     same(tri.boxcox(floats, [0.0, 0.5, -1.0, 1e-5]), ref.boxcox(floats, [0.0, 0.5, -1.0, 1e-5]), "boxcox")
+    tiny = [f * 1e-9 for f in floats] + [torch.tensor([1e-30, 3e-8, 0.75, 2.0**24, 3.4e38, -0.0])]
+    same(tri.log1p(floats + tiny), ref.log1p(floats + tiny), "log1p")
     same(tri.clamp_float(floats, [-1.0] * 4, [2.0] * 4), ref.clamp_float(floats, [-1.0] * 4, [2.0] * 4), "clamp_float")
     same(tri.clamp_id(ints, [-5] * n, [2**40] * n), ref.clamp_id(ints, [-5] * n, [2**40] * n), "clamp_id")
     b = torch.tensor([-1.0, 0.0, 3.0, 0.5])
@@ -49,6 +51,10 @@ CHECK = textwrap.dedent('''
     mv = torch.rand(m.shape, generator=g) > 0.5
     same(tri.fill_null_columns(m, mv, [4, 0, 2], [1.0, 2.0, 3.0], True),
          ref.fill_null_columns(m, mv, [4, 0, 2], [1.0, 2.0, 3.0], True), "fill_null_columns")
+    mf = torch.randn(300, 5, generator=g, dtype=torch.float64) * 1e3
+    mf[:4, 0] = torch.tensor([float("nan"), float("inf"), 1e300, -0.0], dtype=torch.float64)
+    same(tri.fill_null_columns(mf, mv, [4, 0, 2], [1.0, 2.0, 3.0], True),
+         ref.fill_null_columns(mf, mv, [4, 0, 2], [1.0, 2.0, 3.0], True), "fill_null_columns float64")
     oh = [f.unsqueeze(1) for f in floats]
     lo, hi, sizes = [-5.0] * 4, [16.0] * 4, [5, 8, 1, 3]
     same(tri.onehot(oh, lo, hi, sizes), ref.onehot(oh, lo, hi, sizes), "onehot")

@@ -215,6 +215,17 @@ def test_predicted_memory_exhaustion_relaunches_with_double_memory_before_the_oo
     assert ev[0].prediction["peak_bytes"] > 16 * GiB
 
 
+def test_a_rescale_resets_the_memory_trends():
+    """Fewer servers hold bigger embedding shards: the memory jump at a rescale is not growth to extrapolate."""
+    st = InstabilityStage(JOB, LIMITS)
+    two = PodPlan.from_dict({**REQ.to_dict(), "servers": 2})
+    for step in (0, 1000):
+        assert st.observe(_obs(step, two, 1e5, step=step, server_memory=[4 * GiB] * 2)) == []
+    # one server now holds both shards: 8 GiB from the start, flat; without the reset the jump reads as a slope
+    for step in (1010, 2000, 3000):
+        assert st.observe(_obs(step, REQ, 1e5, step=step, server_memory=[8 * GiB])) == []
+
+
 def test_an_oom_relaunches_the_worker_group_with_more_memory():
     st = InstabilityStage(JOB, LIMITS)
     ev = st.observe(_obs(0, REQ, None, oom_workers=[1], worker_memory=[8 * GiB] * 4))

@@ -2,6 +2,7 @@
 every op, list (multi-hot) columns, nulls, int64 extremes, empty rows and batches; bad input names the column."""
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recforge.config import DatasetConfig, DenseFeature, SparseFeature
+from recforge.config import DatasetConfig, DenseFeature, MultiHotFeature, SparseFeature
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.columns import BatchError
 from recforge.preprocess.executor import Executor, make_executor
@@ -55,6 +56,8 @@ ALL_OPS = Plan.model_validate({"name": "all_ops", "features": [
     f("C3b", "sparse", "C3", ("fill_null", {}), ("sigrid_hash", {"M": 100_000}), ("clamp", {"lo": 5, "hi": 90_000})),
     f("C4", "sparse", "C4", ("fill_null", {}), ("sigrid_hash", {"M": 1}), ("firstx", {"X": 1})),
     f("I2b", "sparse", "I2", ("fill_null", {}), ("bucketize", {"borders": [0.5, 1.0, 1.5]}), table_rows=64),
+    f("I3l", "dense", "I3", ("fill_null", {"value": -2}), ("clamp", {"lo": -5, "hi": 1e4}), ("log1p", {})),
+    f("I1lb", "sparse", "I1", ("fill_null", {}), ("log1p", {}), ("bucketize", {"borders": [0.5, 2.0, 3.5]})),
 ]})
 
 
@@ -106,6 +109,7 @@ LIST_PLAN = Plan.model_validate({"name": "lists", "features": [
     f("C2b", "sparse", "C2", ("fill_null", {}), ("cast", {"to": "float"}), ("bucketize", {"borders": [0.0, 1e9]})),
     f("C3", "sparse", "C3", ("fill_null", {}), ("sigrid_hash", {"M": 100}), ("firstx", {"X": 1})),
     f("I1", "dense", "I1", ("fill_null", {}), ("logit", {})),
+    f("I2", "dense", "I2", ("fill_null", {}), ("log1p", {})),
 ]})
 
 
@@ -175,7 +179,9 @@ def test_onehot_on_a_list_column_names_the_feature():
 
 def test_plan_that_does_not_fit_names_feature_and_op():
     with pytest.raises(PlanError, match="feature 'I1'.*source column 'I1'"):
-        make_executor("fused", ALL_OPS, preset_dataset("plan3").model_copy(update={"dense": []}))
+        ds3 = preset_dataset("plan3")
+        no_dense = [c for c in ds3.columns if c.role != "dense"]
+        make_executor("fused", ALL_OPS, ds3.model_copy(update={"columns": no_dense}))
     with pytest.raises(ValueError, match="unknown executor 'tvm'"):
         make_executor("tvm", ALL_OPS, DS)
 
@@ -211,16 +217,25 @@ SCALAR_OPS = Plan.model_validate({"name": "scalar_ops", "features": [
       ("clamp", {"lo": 5, "hi": 90_000})),
     f("C4", "sparse", "C4", ("fill_null", {}), ("sigrid_hash", {"M": 1}), ("firstx", {"X": 1})),
     f("I2b", "sparse", "I2", ("fill_null", {}), ("bucketize", {"borders": [0.5, 1.0, 1.5]}), table_rows=64),
+    f("I3l", "dense", "I3", ("fill_null", {"value": -2}), ("clamp", {"lo": -5, "hi": 1e4}), ("log1p", {}),
+      ("log1p", {})),
+    f("I1lb", "sparse", "I1", ("fill_null", {}), ("log1p", {}), ("bucketize", {"borders": [0.5, 2.0, 3.5]})),
 ]})
+
+
+@functools.cache
+def _scalar_executors():
+    """Built once: compiling SCALAR_OPS (RAP's layer MILP over its long chains) takes seconds."""
+    return make_executor("fused", SCALAR_OPS, DS), make_executor("fused", SCALAR_OPS, DS, single_pass=False)
 
 
 @settings(max_examples=15, deadline=None)
 @given(rows=st.integers(0, 300), seed=st.integers(0, 10**6), null_rate=st.sampled_from([0.0, 0.3, 1.0]))
 def test_single_pass_matches_reference_and_groups(rows, seed, null_rate):
-    single, grouped = make_executor("fused", SCALAR_OPS, DS), make_executor("fused", SCALAR_OPS, DS, single_pass=False)
+    single, grouped = _scalar_executors()
     raw = random_raw_batch(DS, rows, seed=seed, null_rate=null_rate, extreme_rate=0.2)
     assert_matches_reference(SCALAR_OPS, DS, raw, single)
-    assert single.calls == 1 and "scalar column" in single.describe()["single_pass"]
+    assert single.calls == 1 and "scalar column" in single.describe()["single_pass"]  # launches of the last batch
     (d1, k1), (d2, k2) = single(raw), grouped(raw)
     assert grouped.calls > 1
     torch.testing.assert_close(d1, d2, rtol=0, atol=0, equal_nan=True)  # the same per-value code: bit-identical
@@ -255,12 +270,18 @@ def test_dali_falls_back_explicitly(caplog):
     assert ex.describe()["whole_batch_fallbacks"] == 1 and "runs on the fused executor" in caplog.text
 
 
-def test_module_executor_refuses_list_columns():
-    plan = load_plan("plan0")
-    ex = make_executor("module", plan, preset_dataset("plan0"))
-    raw = random_raw_batch(preset_dataset("plan0"), 4, seed=0, list_columns=("C1",))
-    with pytest.raises(ValueError, match=r"list columns \['C1'\]"):
-        ex(raw)
+def test_module_executor_takes_list_columns_like_eager():
+    """The exportable module (evaluate's and serving's form) reads a multi-hot column as values + lengths."""
+    plan, criteo = load_plan("plan0"), preset_dataset("plan0")
+    raw = random_raw_batch(criteo, 6, seed=0, list_columns=("C1",), null_rate=0.0)  # ingest quarantines null elements
+    with pytest.raises(ValueError, match=r"columns \['C1'\] arrive as lists but the dataset does not declare"):
+        make_executor("module", plan, criteo)(raw)
+    columns = [MultiHotFeature(name="C1", max_length=8) if c.name == "C1" else c for c in criteo.columns]
+    ds = DatasetConfig(name="criteo_c1_multi_hot", columns=columns)
+    (d1, k1), (d2, k2) = make_executor("module", plan, ds)(raw), make_executor("eager", plan, ds)(raw)
+    torch.testing.assert_close(d1, d2)
+    assert k1.keys() == k2.keys() and torch.equal(k1.lengths(), k2.lengths())
+    assert torch.equal(k1.values(), k2.values())
 
 
 def test_fused_chain_op_checks_its_program_and_has_a_fake():

@@ -82,6 +82,18 @@ def test_logit_known_values():
 
 
 @FAST
+@given(x=float_cols)
+def test_log1p(x):
+    close(ops.log1p(torch.from_numpy(x)), ref.log1p_ref(x))
+
+
+def test_log1p_known_values():
+    y = ops.log1p(torch.tensor([0.0, -3.0, 1.0, float("inf"), float("-inf"), 1e-9, 1e6]))
+    np.testing.assert_allclose(y.numpy(), [0.0, 0.0, np.log(2.0), np.inf, 0.0, 1e-9, np.log1p(1e6)], rtol=1e-7)
+    assert y.dtype == torch.float32 and torch.isnan(ops.log1p(torch.tensor([float("nan")]))).all()
+
+
+@FAST
 @given(x=float_cols, lmbda=st.sampled_from([0.0, 0.5, -1.0, 2.0, 0.25]))
 def test_boxcox(x, lmbda):
     close(ops.boxcox(torch.from_numpy(x), lmbda), ref.boxcox_ref(x, lmbda))

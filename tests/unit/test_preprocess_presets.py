@@ -108,7 +108,7 @@ def test_plan_2_and_3_datasets_are_pipeline_presets_over_generated_data(tmp_path
     from recforge.preprocess.batch import RawBatch
     from recforge.preprocess.executor import make_executor
 
-    cfg = PipelineConfig(dataset_preset=preset, preprocess_plan=plan_name)
+    cfg = PipelineConfig(dataset_schema=preset, preprocess_plan=plan_name)
     ds = cfg.dataset()
     assert ds == preset_dataset(plan_name) == dataset_preset(preset)
     generate_days(ds, tmp_path / "raw", days=1, rows_per_day=300, seed=1)

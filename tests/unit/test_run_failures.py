@@ -83,12 +83,12 @@ def test_a_failed_stage_and_its_pipeline_end_failed_with_the_reason_and_a_retry_
 
 def test_invalid_input_is_recorded_as_such(ctx):
     def bad(w, store, run_id):
-        raise InvalidInput("source_dir /nope holds no day_*.tsv files")
+        raise InvalidInput("source_uri /nope/day_{ds}.tsv names no file")
 
     with pytest.raises(InvalidInput):
         run_stage(ctx, GenerateOutputs, bad)
     assert _status(_runs(ctx)["generate"]) == (
-        "FAILED", "invalid_input", "InvalidInput: source_dir /nope holds no day_*.tsv files")
+        "FAILED", "invalid_input", "InvalidInput: source_uri /nope/day_{ds}.tsv names no file")
 
 
 def test_sigterm_cancels_the_stage_and_is_recorded_distinctly(ctx):

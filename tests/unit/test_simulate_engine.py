@@ -1,4 +1,5 @@
-"""Cluster simulator: determinism, accounting, faults, policies, and the CLI on a small trace."""
+"""Cluster simulator on the parameter-server trace (`shape="ps"`): determinism, accounting, faults, policies, CLI.
+The TorchRec-shaped default trace and Optimus: test_simulate_torchrec.py."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ from recforge.elastic.simulate.engine import SimParams, simulate
 from recforge.elastic.simulate.policies import make_policy
 from recforge.elastic.simulate.trace import MISCONFIG, TraceParams, generate_trace
 
-SMALL = TraceParams(n_jobs=60, arrival_window_h=6.0, n_scenarios=8)
-CLUSTER = ClusterSpec(nodes=12)
+SMALL = TraceParams(shape="ps", n_jobs=20, arrival_window_h=3.0, n_scenarios=6)
+CLUSTER = ClusterSpec(nodes=6)
 
 
 
@@ -67,10 +68,10 @@ def test_cluster_placement_is_all_or_nothing_and_release_restores():
     c = Cluster(ClusterSpec(nodes=2, cpu_per_node=8, memory_per_node=16))
     where = c.place([(4, 4), (4, 4), (8, 8)])
     assert sorted(where) == [0, 0, 1] or sorted(where) == [0, 1, 1]
-    assert c.place([(1, 1)]) is None and c.free_cpu == [0, 0]
+    assert c.place([(1, 1)]) is None and list(c.free_cpu) == [0, 0]
     c.release([(4, 4), (4, 4), (8, 8)], where)
-    assert c.free_cpu == [8, 8] and c.free_mem == [16, 16]
-    assert c.place([(9, 1)]) is None and c.free_cpu == [8, 8]
+    assert list(c.free_cpu) == [8, 8] and list(c.free_mem) == [16, 16] and c.free_cpu_total == 16
+    assert c.place([(9, 1)]) is None and list(c.free_cpu) == [8, 8]
 
 
 def test_truth_is_what_the_docstring_says():
@@ -107,7 +108,7 @@ def test_cli_writes_table_json_and_plots(tmp_path):
 
     from recforge.cli import app
 
-    res = CliRunner().invoke(app, ["simulate", "--jobs", "30", "--nodes", "10", "--seed", "1", "--out", str(tmp_path)])
+    res = CliRunner().invoke(app, ["simulate", "--jobs", "12", "--nodes", "4", "--seed", "1", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     data = json.loads((tmp_path / "simulation.json").read_text())
     assert [p["policy"] for p in data["policies"]] == ["static", "optimus", "dlrover"]
@@ -115,3 +116,5 @@ def test_cli_writes_table_json_and_plots(tmp_path):
     assert (tmp_path / "jct_cdf.png").stat().st_size > 1000 and (tmp_path / "utilization.png").exists()
     bad = CliRunner().invoke(app, ["simulate", "--jobs", "5", "--policies", "nope"])
     assert bad.exit_code != 0
+    huge = CliRunner().invoke(app, ["simulate", "--jobs", "1000000000", "--nodes", "10"])
+    assert huge.exit_code != 0 and "available" in huge.output

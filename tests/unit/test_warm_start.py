@@ -111,7 +111,8 @@ def test_a_matching_champion_is_used_an_incompatible_one_refused_with_the_reason
 @pytest.mark.parametrize("change, expected", [
     (dict(table_cap=30), "table 'C1': checkpoint 40 rows, this run 30"),
     (dict(train={"embedding_lr": 0.5}), "optimizer settings differ"),
-    (dict(dataset_preset="rap_plan2"), "dataset schema (features) differs"),
+    (dict(train={"dense_optimizer": "sgd"}), "optimizer settings differ"),
+    (dict(dataset_schema="rap_plan2"), "dataset schema (features) differs"),
 ])
 def test_incompatible_champions_are_refused_with_the_reason(tmp_path, change, expected):
     day1 = _ctx(tmp_path, "day1")

@@ -106,10 +106,12 @@ inline float select_f32(bool valid, float x, float fill) {
 }
 
 inline float select_value(bool valid, int64_t x, float fill) { return select_f32(valid, (float)x, fill); }
+inline float select_value(bool valid, double x, float fill) { return select_f32(valid, (float)x, fill); }
 inline int64_t select_value(bool valid, int64_t x, int64_t fill) { return select_i64(valid, x, fill); }
 
-template <typename Out>
-void fill_run(const int64_t* __restrict x, const bool* __restrict v, Out* __restrict o, int64_t n, Out fill) {
+// In: int64 (integer columns, ids) or double (float dense columns: rounded to float32 as a cast does).
+template <typename In, typename Out>
+void fill_run(const In* __restrict x, const bool* __restrict v, Out* __restrict o, int64_t n, Out fill) {
   for (int64_t i = 0; i < n; ++i) o[i] = select_value(v[i], x[i], fill);
 }
 
@@ -117,8 +119,8 @@ void fill_run(const int64_t* __restrict x, const bool* __restrict v, Out* __rest
 // (in L1) and written as one run of its output, so the raw matrix is read from memory once. (Measured: going row
 // by row instead, every row scattering to F outputs, is ~20x slower: at B = 8192 the outputs lie 32 KiB apart and
 // share cache sets.)
-template <typename Out>
-void fill_rows(const int64_t* __restrict xp, const bool* __restrict vp, int64_t B, int64_t Fin,
+template <typename In, typename Out>
+void fill_rows(const In* __restrict xp, const bool* __restrict vp, int64_t B, int64_t Fin,
                const std::vector<int64_t>& cols, const std::vector<Out*>& outs, const std::vector<Out>& fills) {
   const int64_t F = (int64_t)cols.size();
   for_row_tiles(B, 32, 64, [&](int64_t r0, int64_t r1) {
@@ -131,7 +133,7 @@ void fill_rows(const int64_t* __restrict xp, const bool* __restrict vp, int64_t 
   });
 }
 
-template <typename Out>
+template <typename In, typename Out>
 std::vector<Tensor> fill_columns(const Tensor& x_, const Tensor& valid_, const std::vector<int64_t>& colv,
                                  at::ArrayRef<double> values) {
   const int64_t B = x_.size(0), F = (int64_t)colv.size();
@@ -146,7 +148,7 @@ std::vector<Tensor> fill_columns(const Tensor& x_, const Tensor& valid_, const s
   if (B == 0) return out;
   // Column-major input: every column is contiguous, a plain vectorized pass per feature.
   if (x_.stride(0) == 1 && valid_.stride(0) == 1) {
-    const int64_t* xp = x_.data_ptr<int64_t>();
+    const In* xp = x_.data_ptr<In>();
     const bool* vp = valid_.data_ptr<bool>();
     const int64_t xs1 = x_.stride(1), vs1 = valid_.stride(1);
     for_chunks(std::vector<int64_t>(F, B), [&](int64_t f, int64_t b, int64_t e) {
@@ -155,36 +157,47 @@ std::vector<Tensor> fill_columns(const Tensor& x_, const Tensor& valid_, const s
     return out;
   }
   Tensor x = x_.contiguous(), valid = valid_.contiguous();
-  fill_rows(x.data_ptr<int64_t>(), valid.data_ptr<bool>(), B, x.size(1), colv, outs, fills);
+  fill_rows(x.data_ptr<In>(), valid.data_ptr<bool>(), B, x.size(1), colv, outs, fills);
   return out;
 }
 
 // Gathers columns `cols` of the raw matrix x[B, Fin] (row-major) with nulls replaced: one [B] tensor per feature.
+// x: int64, or float64 for dense (float columns; rounded to float32).
 std::vector<Tensor> fill_null_columns(const Tensor& x_, const Tensor& valid_, at::IntArrayRef cols,
                                       at::ArrayRef<double> values, bool dense) {
-  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kLong, "fill_null_columns: x must be int64 [B, F]");
+  const bool f64 = x_.scalar_type() == at::kDouble;
+  TORCH_CHECK(x_.dim() == 2 && (x_.scalar_type() == at::kLong || (f64 && dense)),
+              "fill_null_columns: x must be int64 [B, F] (or float64 for dense columns), got ", x_.scalar_type());
   TORCH_CHECK(valid_.sizes() == x_.sizes() && valid_.scalar_type() == at::kBool,
               "fill_null_columns: valid must be bool like x");
   check_len(values.size(), cols.size(), "fill_null_columns", "values");
   const int64_t Fin = x_.size(1);
   for (auto c : cols) TORCH_CHECK(c >= 0 && c < Fin, "fill_null_columns: column ", c, " outside [0, ", Fin, ")");
   std::vector<int64_t> colv(cols.begin(), cols.end());
-  return dense ? fill_columns<float>(x_, valid_, colv, values) : fill_columns<int64_t>(x_, valid_, colv, values);
+  if (f64) return fill_columns<double, float>(x_, valid_, colv, values);
+  return dense ? fill_columns<int64_t, float>(x_, valid_, colv, values)
+               : fill_columns<int64_t, int64_t>(x_, valid_, colv, values);
 }
 
-// fill_null on list values (one int64 tensor per feature, any shape) with element masks.
+// fill_null on list values (one tensor per feature, any shape) with element masks: int64 values, or float64 ones
+// when dense (rounded to float32).
 std::vector<Tensor> fill_null(at::TensorList xs_, at::TensorList valids_, at::ArrayRef<double> values, bool dense) {
   auto valids = contiguous(valids_, at::kBool, "fill_null");
   check_len(valids.size(), xs_.size(), "fill_null", "valids");
   check_len(values.size(), xs_.size(), "fill_null", "values");
-  auto xs = contiguous(xs_, at::kLong, "fill_null");
+  const bool f64 = dense && !xs_.empty() && xs_[0].scalar_type() == at::kDouble;
+  auto xs = contiguous(xs_, f64 ? at::kDouble : at::kLong, "fill_null");
   for (size_t f = 0; f < xs.size(); ++f)
     TORCH_CHECK(valids[f].numel() == xs[f].numel(), "fill_null: feature ", f, " has ", xs[f].numel(),
                 " values and ", valids[f].numel(), " validity flags");
   auto out = empty_like_all(xs, dense ? at::kFloat : at::kLong);
   for_chunks(numels(xs), [&](int64_t f, int64_t b, int64_t e) {
-    const int64_t* x = xs[f].data_ptr<int64_t>() + b;
     const bool* v = valids[f].data_ptr<bool>() + b;
+    if (f64) {
+      fill_run(xs[f].data_ptr<double>() + b, v, out[f].data_ptr<float>() + b, e - b, (float)values[f]);
+      return;
+    }
+    const int64_t* x = xs[f].data_ptr<int64_t>() + b;
     if (dense)
       fill_run(x, v, out[f].data_ptr<float>() + b, e - b, (float)values[f]);
     else
@@ -377,6 +390,26 @@ std::vector<Tensor> logit(at::TensorList xs, at::ArrayRef<double> lo, at::ArrayR
   // the clamp bounds are float32 values, so clamping the float64 value is the float32 clamp
   return per_feature<float, float>(xs, "logit", [&](int64_t f, const float* x, float* o, int64_t n) {
     logit_run(x, o, n, (double)(float)lo[f], (double)(float)hi[f]);
+  });
+}
+
+// log1p(max(x, 0)) in float64, rounded to float32; NaN stays NaN (counts: a negative count clamps to 0).
+void log1p_run(const float* x, float* o, int64_t n) {
+  auto scalar = [](double v) { return std::log1p(v < 0 ? 0.0 : v); };  // NaN fails the test and stays NaN
+#if defined(__AVX512F__)
+  auto vec = [](__m512d v) {
+    const __m512d zero = _mm512_setzero_pd();
+    return Sleef_log1pd8_u10(_mm512_mask_blend_pd(_mm512_cmp_pd_mask(v, zero, _CMP_LT_OQ), v, zero));
+  };
+  map_f64(x, o, n, scalar, vec);
+#else
+  map_f64(x, o, n, scalar);
+#endif
+}
+
+std::vector<Tensor> log1p_kernel(at::TensorList xs) {
+  return per_feature<float, float>(xs, "log1p", [](int64_t, const float* x, float* o, int64_t n) {
+    log1p_run(x, o, n);
   });
 }
 
@@ -611,7 +644,8 @@ enum ChainCode : int64_t {
   MAPID = 8,        // id: table[i0:i1]
   CAST_FLOAT = 9,   // id -> float
   CAST_ID = 10,     // float -> id
-  ONEHOT_FIRST = 11 // float: f0 lo, f1 hi, i0 C -> 1.0 when the class is 0, else 0.0
+  ONEHOT_FIRST = 11, // float: f0 lo, f1 hi, i0 C -> 1.0 when the class is 0, else 0.0
+  LOG1P = 12        // float: log1p(max(x, 0))
 };
 
 struct ChainStep {
@@ -620,7 +654,8 @@ struct ChainStep {
 };
 
 struct ChainFeature {
-  const int64_t* raw;  // the source column's first value in the row-major raw matrix
+  const int64_t* raw;  // the source column's first value in the row-major raw matrix (int64 columns)
+  const double* raw_f64;  // ... or in a float64 dense matrix (float columns); exactly one of the two is set
   const bool* valid;
   int64_t raw_stride;  // values per raw row
   bool to_dense;       // output: a column of the dense matrix, else a key of the ids
@@ -634,11 +669,16 @@ constexpr int64_t kChainRows = 256;
 void run_chain(const ChainFeature& cf, const ChainStep* steps, int64_t r0, int64_t n, const float* borders,
                const int64_t* table, float* dense, int64_t num_dense, int64_t* ids, int64_t B) {
   alignas(64) int64_t raw[kChainRows], id[2][kChainRows];
+  alignas(64) double raw_f64[kChainRows];
   alignas(64) float fl[2][kChainRows];
   alignas(64) bool valid[kChainRows];
   alignas(64) int32_t idx[kChainRows];
+  const bool f64 = cf.raw_f64 != nullptr;
   for (int64_t r = 0; r < n; ++r) {
-    raw[r] = cf.raw[(r0 + r) * cf.raw_stride];
+    if (f64)
+      raw_f64[r] = cf.raw_f64[(r0 + r) * cf.raw_stride];
+    else
+      raw[r] = cf.raw[(r0 + r) * cf.raw_stride];
     valid[r] = cf.valid[(r0 + r) * cf.raw_stride];
   }
   int fi = 0, ii = 0;  // the current float / id buffer
@@ -650,10 +690,20 @@ void run_chain(const ChainFeature& cf, const ChainStep* steps, int64_t r0, int64
     int64_t* ix = id[ii];
     int64_t* io = id[ii ^ 1];
     switch (st.code) {
-      case FILL_FLOAT: fill_run(raw, valid, fl[fi], n, (float)st.f0); is_float = true; continue;
-      case FILL_ID: fill_run(raw, valid, id[ii], n, (int64_t)st.f0); is_float = false; continue;
+      case FILL_FLOAT:
+        if (f64)
+          fill_run(raw_f64, valid, fl[fi], n, (float)st.f0);
+        else
+          fill_run(raw, valid, fl[fi], n, (float)st.f0);
+        is_float = true;
+        continue;
+      case FILL_ID:  // chain() checks that its column is int64
+        fill_run(raw, valid, id[ii], n, (int64_t)st.f0);
+        is_float = false;
+        continue;
       case LOGIT: logit_run(fx, fo, n, st.f0, st.f1); fi ^= 1; break;
       case BOXCOX: boxcox_run(fx, fo, n, st.f0); fi ^= 1; break;
+      case LOG1P: log1p_run(fx, fo, n); fi ^= 1; break;
       case CLAMP_FLOAT: clamp_float_run(fx, fo, n, (float)st.f0, (float)st.f1); fi ^= 1; break;
       case CLAMP_ID: clamp_id_run(ix, io, n, st.i0, st.i1); ii ^= 1; break;
       case SIGRID_HASH: sigrid_hash_block(ix, io, n, (uint64_t)st.i0, (uint64_t)st.i1); ii ^= 1; break;
@@ -700,8 +750,10 @@ std::vector<Tensor> chain(const Tensor& dense_raw, const Tensor& dense_valid, co
   const Tensor valids[2] = {dense_valid.contiguous(), sparse_valid.contiguous()};
   const int64_t B = raws[0].size(0);
   for (int k = 0; k < 2; ++k) {
-    TORCH_CHECK(raws[k].dim() == 2 && raws[k].scalar_type() == at::kLong && raws[k].size(0) == B,
-                "chain: raw matrices must be int64 [B, F] with the same B");
+    // the dense matrix may be float64 (a dataset with float columns); ids are int64
+    const bool type_ok = raws[k].scalar_type() == at::kLong || (k == 0 && raws[k].scalar_type() == at::kDouble);
+    TORCH_CHECK(raws[k].dim() == 2 && type_ok && raws[k].size(0) == B,
+                "chain: raw matrices must be int64 [B, F] (the dense one may be float64) with the same B");
     TORCH_CHECK(valids[k].sizes() == raws[k].sizes() && valids[k].scalar_type() == at::kBool,
                 "chain: valid must be bool like its raw matrix");
   }
@@ -721,8 +773,13 @@ std::vector<Tensor> chain(const Tensor& dense_raw, const Tensor& dense_valid, co
                 " writes slot ", out_slot[f], " outside its output");
     TORCH_CHECK(0 <= step_offsets[f] && step_offsets[f] <= step_offsets[f + 1] && step_offsets[f + 1] <= S,
                 "chain: step_offsets must be ascending within the steps");
-    feats[f] = {raw.data_ptr<int64_t>() + src_col[f], valids[kind].data_ptr<bool>() + src_col[f], raw.size(1),
-                to_dense, out_slot[f], step_offsets[f], step_offsets[f + 1]};
+    const bool f64 = raw.scalar_type() == at::kDouble;
+    if (f64)
+      for (int64_t k = step_offsets[f]; k < step_offsets[f + 1]; ++k)
+        TORCH_CHECK(codes[k] != FILL_ID, "chain: feature ", f, " fills ids from a float64 column");
+    feats[f] = {f64 ? nullptr : raw.data_ptr<int64_t>() + src_col[f], f64 ? raw.data_ptr<double>() + src_col[f] : nullptr,
+                valids[kind].data_ptr<bool>() + src_col[f], raw.size(1), to_dense, out_slot[f], step_offsets[f],
+                step_offsets[f + 1]};
   }
   for (const auto& st : steps) {
     if (st.code == BUCKETIZE)
@@ -732,7 +789,7 @@ std::vector<Tensor> chain(const Tensor& dense_raw, const Tensor& dense_valid, co
     if (st.code == SIGRID_HASH) TORCH_CHECK(st.i1 >= 1, "chain: sigrid_hash modulus must be >= 1");
   }
   Tensor dense = at::empty({B, num_dense}, raws[0].options().dtype(at::kFloat));
-  Tensor ids = at::empty({num_sparse * B}, raws[0].options());
+  Tensor ids = at::empty({num_sparse * B}, raws[1].options().dtype(at::kLong));
   float* dp = dense.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   const float* bp = borders.data_ptr<float>();
@@ -764,6 +821,7 @@ TORCH_LIBRARY(recforge_cpu, m) {
   m.def("sigrid_hash(Tensor[] xs, int[] salts, int[] moduli) -> Tensor[]", &sigrid_hash);
   m.def("logit(Tensor[] xs, float[] lo, float[] hi) -> Tensor[]", &logit);
   m.def("boxcox(Tensor[] xs, float[] lambdas) -> Tensor[]", &boxcox);
+  m.def("log1p(Tensor[] xs) -> Tensor[]", &log1p_kernel);
   m.def("onehot(Tensor[] xs, float[] lo, float[] hi, int[] classes, int[] keep) -> Tensor[]", &onehot);
   m.def("firstx(Tensor[] xs, int[] X) -> Tensor[]", &firstx);
   m.def("ngram(Tensor[] xs, int[] n) -> Tensor[]", &ngram);

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import string
 from pathlib import Path
 from typing import Literal
 
@@ -9,7 +10,7 @@ import yaml
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from recforge.config.base import StrictModel
-from recforge.config.datasets import DATASET_PRESETS, DatasetConfig, dataset_preset
+from recforge.config.datasets import DatasetConfig, load_dataset
 
 
 class ModelConfig(StrictModel):
@@ -35,8 +36,12 @@ class ModelConfig(StrictModel):
 class TrainConfig(StrictModel):
     epochs: int = Field(1, ge=1, description="passes over the training days")
     batch_size: int = Field(512, ge=1, description="per-worker batch size")
-    embedding_lr: float = Field(0.05, gt=0)
-    dense_lr: float = Field(0.002, gt=0)
+    embedding_optimizer: Literal["rowwise_adagrad", "adagrad", "sgd"] = Field(
+        "rowwise_adagrad", description="optimizer of the embedding tables (FBGEMM's fused one where the table is "
+        "sharded table_wise / column_wise)")
+    embedding_lr: float = Field(0.05, gt=0, description="learning rate of the embedding optimizer")
+    dense_optimizer: Literal["adam", "sgd"] = Field("adam", description="optimizer of the dense (MLP) parameters")
+    dense_lr: float = Field(0.002, gt=0, description="learning rate of the dense optimizer")
     batches_per_task: int = Field(8, ge=1, description="data-shard task size handed out by the job master")
     log_every: int = Field(20, ge=1)
     sharding: Literal["auto", "table_wise", "column_wise", "data_parallel"] = "auto"
@@ -107,11 +112,32 @@ class CheckpointConfig(StrictModel):
 class PipelineConfig(StrictModel):
     """One daily pipeline run; the DAG's Params map onto these fields."""
 
-    dataset_preset: str = Field("criteo_kaggle", description="schema of the raw days (synthetic or source_dir)")
-    source_dir: str | None = Field(
-        None, description="raw day files (day_*.tsv[.gz]) to ingest; None generates synthetic days")
-    rows_per_day: int = Field(200_000, ge=100, description="synthetic rows per day")
-    train_days: int = Field(1, ge=1, description="days trained on; one more day is held out for evaluation")
+    dataset_schema: str = Field(
+        "criteo_kaggle", description="schema of the raw days: a shipped schema (criteo_kaggle, criteo_terabyte) or a "
+        "dataset schema file (.yaml, see docs/data.md)")
+    source_uri: str | None = Field(
+        None, description="the day's landing file(s): a local path or fsspec URL with {ds} (the day, YYYY-MM-DD) or "
+        "{ds_nodash}, a glob allowed, e.g. /data/landing/day_{ds}.tsv.gz or s3://bucket/clicks/dt={ds}/part-*.parquet; "
+        "the DAG's wait_for_data task waits for every day the run needs; empty: synthetic days (the demo's source)")
+    ready_marker: str | None = Field(
+        None, description="optional marker file a producer writes once a day is complete, with {ds} or {ds_nodash}, "
+        "e.g. s3://bucket/clicks/dt={ds}/_SUCCESS: the sensor waits for it (instead of for the day's files to stop "
+        "changing for sensor_poke_s)")
+    holdout: Literal["next_day", "split"] = Field(
+        "next_day", description="the held-out rows: next_day, the day after the run's day (the run waits for it); "
+        "split, the last holdout_fraction of the run day's rows (no wait for the next day)")
+    holdout_fraction: float = Field(
+        0.1, gt=0.0, lt=1.0, description="holdout split: share of the run day's rows, its last ones, held out")
+    sensor_timeout_s: float = Field(
+        30 * 3600.0, gt=0, le=7 * 86400.0, description="wait_for_data fails after waiting this many seconds for the "
+        "landing files, naming the missing path(s) and day (default 30 h: with holdout next_day a scheduled run "
+        "waits for the following day's file, which lands about a day after its own)")
+    sensor_poke_s: float = Field(
+        60.0, gt=0, le=3600.0, description="seconds between looks at the landing zone; a file counts as landed once "
+        "it has not changed for this long")
+    rows_per_day: int = Field(200_000, ge=100, description="synthetic rows per day (source_uri empty)")
+    train_days: int = Field(
+        1, ge=1, description="days trained on, ending with the run's day (its logical date)")
     seed: int = Field(0, description="seed of the synthetic data, model initialisation and data order")
     table_cap: int = Field(
         100_000, ge=1, description="embedding rows per table: sigrid_hash modulus is min(cardinality, cap)")
@@ -127,8 +153,10 @@ class PipelineConfig(StrictModel):
         "fused",
         description="preprocessing executor of the training workers (recforge.preprocess.executor.make_executor)")
     preprocess_plan: str = Field(
-        "criteo", description="preprocessing plan: 'criteo' (RAP plan 0 over the dataset, tables capped by table_cap), "
-        "a preset 'plan0'..'plan3', or a plan file path (.json/.yaml)")
+        "schema", description="preprocessing plan: 'schema' (derived from the dataset's column roles: fill_null, "
+        "clip and log1p for dense, sigrid_hash to table sizes for categorical, firstx(max_length) for multi_hot; "
+        "docs/data.md), 'criteo' (RAP plan 0 over the dataset), a RAP preset 'plan0'..'plan3', or a plan file path "
+        "(.json/.yaml); tables capped by table_cap")
     preprocessing: Literal["auto", "inline", "corun", "offline"] = Field(
         "auto", description="auto: plan_resources profiles the job and picks corun when RAP's predicted iteration "
         "time beats inline, else inline (recording both predictions and why); "
@@ -141,15 +169,46 @@ class PipelineConfig(StrictModel):
     resources: ResourceConfig = Field(default_factory=ResourceConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
-    @field_validator("dataset_preset")
+    @field_validator("dataset_schema")
     @classmethod
-    def _known_preset(cls, v: str) -> str:
-        if v not in DATASET_PRESETS:
-            raise ValueError(f"unknown preset {v!r}; choose one of {sorted(DATASET_PRESETS)}")
+    def _known_schema(cls, v: str) -> str:
+        load_dataset(v)  # a shipped name or a schema file that validates; the error names the field and column
+        return v
+
+    @field_validator("source_uri", "ready_marker")
+    @classmethod
+    def _day_template(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None  # empty: not set
+        day_template_fields(v)
         return v
 
     def dataset(self) -> DatasetConfig:
-        return dataset_preset(self.dataset_preset)
+        return load_dataset(self.dataset_schema)
+
+
+DAY_PLACEHOLDERS = ("ds", "ds_nodash")  # what a source_uri / ready_marker may contain: the day, as Airflow names it
+
+
+def day_template_fields(template: str) -> set[str]:
+    """The placeholders of a landing path template; ValueError unless it has {ds} or {ds_nodash} and nothing else."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"{template!r} is not a valid path template ({e}); "
+                         "write a literal brace as {{ or }}") from e
+    names = set()
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if name not in DAY_PLACEHOLDERS or spec or conversion:
+            raise ValueError(f"{template!r}: unknown placeholder {{{name}{'!' + conversion if conversion else ''}"
+                             f"{':' + spec if spec else ''}}}; use {{ds}} (YYYY-MM-DD) or {{ds_nodash}} (YYYYMMDD)")
+        names.add(name)
+    if not names:
+        raise ValueError(f"{template!r} names no day: put {{ds}} (YYYY-MM-DD) or {{ds_nodash}} (YYYYMMDD) in it, "
+                         "e.g. /data/landing/day_{ds}.tsv.gz")
+    return names
 
 
 def load_config(path: str | Path, model: type[BaseModel] = PipelineConfig) -> BaseModel:

@@ -64,9 +64,17 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 
+def _cardinalities(dataset: DatasetConfig) -> list[int]:
+    """Each sparse column's cardinality; synthetic data needs them all."""
+    unknown = [f.name for f in dataset.sparse if f.cardinality is None]
+    if unknown:
+        raise ValueError(f"generate_days: columns {unknown} have no cardinality; synthetic data needs one per column")
+    return [int(f.cardinality or 0) for f in dataset.sparse]
+
+
 def default_cardinality_scale(dataset: DatasetConfig, total_rows: int) -> float:
     """Scale so that the largest column has at most about `total_rows` distinct values."""
-    largest = max(f.cardinality for f in dataset.sparse)
+    largest = max(_cardinalities(dataset))
     return min(1.0, total_rows / largest)
 
 
@@ -94,7 +102,7 @@ class _HiddenModel:
 def _build_model(dataset: DatasetConfig, seed: int, scale: float) -> _HiddenModel:
     rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(0,)))
     n_s, n_d = len(dataset.sparse), len(dataset.dense)
-    k = np.array([id_space(f.cardinality, scale) for f in dataset.sparse], dtype=np.int64)
+    k = np.array([id_space(c, scale) for c in _cardinalities(dataset)], dtype=np.int64)
     zipf_a = rng.uniform(1.05, 1.25, n_s)
     keys = rng.integers(0, 2**32, size=(n_s, 4), dtype=np.uint64).astype(np.uint32)
     keys[:, :2] |= 1
@@ -226,6 +234,10 @@ def generate_days(
     consecutive dates share the model and overlap in the days they draw (a sliding window of a daily stream)."""
     if first_day < 0:
         raise ValueError(f"generate_days: first_day must be >= 0, got {first_day}")
+    if not dataset.is_criteo_layout:
+        raise ValueError(f"generate_days: dataset {dataset.name!r} is not in the Criteo layout (label 0/1 first, "
+                         "int dense, hex32 categoricals, tsv without header): the generator writes only that layout")
+    _cardinalities(dataset)
     if days < 1:
         raise ValueError(f"generate_days: days must be >= 1, got {days}")
     if rows_per_day < 1:

@@ -1,4 +1,6 @@
-"""Ingest raw day files into Parquet shards + manifest, quarantining bad rows.
+"""Ingest raw day files of any schema (data.reader.read_source) into Parquet shards + manifest, quarantining bad rows.
+
+With a timestamp column, the manifest counts the rows per UTC day (`rows_by_day`, also per source file).
 
 Everything is written into a temporary sibling directory that is renamed over `out_dir` only on
 success, so a failed run leaves no partial output and a re-run replaces the previous result.
@@ -12,10 +14,12 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
@@ -23,7 +27,7 @@ from recforge.config import DatasetConfig
 from recforge.data.errors import DataError
 from recforge.data.manifest import Manifest, ShardInfo, SourceStats, file_sha256
 from recforge.data.quarantine import Quarantine
-from recforge.data.reader import read_criteo
+from recforge.data.reader import read_source
 from recforge.data.schema import arrow_schema
 
 log = logging.getLogger(__name__)
@@ -109,8 +113,26 @@ def _progress_bar(enabled: bool, sources: list[Path]) -> Iterator[Callable[[int,
         yield lambda i, done: bar.update(tasks[i], completed=done)
 
 
-def _example(q: Quarantine) -> str:
-    return f" (e.g. line {q.last['line']}: {q.last['reason']})" if q.last else ""
+def _example(q: Quarantine, dataset: DatasetConfig) -> str:
+    where = "record" if dataset.format == "parquet" else "line"
+    return f" (e.g. {where} {q.last['line']}: {q.last['reason']})" if q.last else ""
+
+
+def _count_days(batch: pa.RecordBatch, column: str, counts: dict[str, int]) -> None:
+    """Add the batch's rows per UTC day (of its timestamp column) to `counts` ("YYYY-MM-DD" -> rows)."""
+    secs = pc.cast(batch.column(column), pa.int64()).to_numpy(zero_copy_only=False)
+    days, n = np.unique(np.floor_divide(secs, 86400), return_counts=True)
+    for d, k in zip(days.tolist(), n.tolist(), strict=True):
+        key = str(np.datetime64(d, "D"))
+        counts[key] = counts.get(key, 0) + k
+
+
+def _merge_days(parts: Iterable[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for part in parts:
+        for day, n in part.items():
+            total[day] = total.get(day, 0) + n
+    return dict(sorted(total.items()))
 
 
 def _replace_dir(tmp: Path, out_dir: Path) -> None:
@@ -163,9 +185,13 @@ def ingest(
             for i, src in enumerate(sources):
                 t0 = time.perf_counter()
                 bad_before, good = q.count, 0
-                for batch in read_criteo(src, dataset, q, batch_rows, on_progress=functools.partial(update, i)):
+                by_day: dict[str, int] = {}
+                ts = dataset.timestamp
+                for batch in read_source(src, dataset, q, batch_rows, on_progress=functools.partial(update, i)):
                     writer.write(batch)
                     good += batch.num_rows
+                    if ts is not None and batch.num_rows:
+                        _count_days(batch, ts.name, by_day)
                 bad = q.count - bad_before
                 total = good + bad
                 if total == 0:
@@ -173,17 +199,18 @@ def ingest(
                 if good == 0:
                     raise DataError(
                         f"ingest: {src}: all {total} rows are bad ({bad} bad rows of {total}, "
-                        f"max_bad_fraction={max_bad_fraction}){_example(q)}"
+                        f"max_bad_fraction={max_bad_fraction}){_example(q, dataset)}"
                     )
                 if bad / total > max_bad_fraction:
                     raise DataError(
                         f"ingest: {src}: {bad} bad rows of {total} ({bad / total:.3%}) is above "
-                        f"max_bad_fraction={max_bad_fraction}{_example(q)}"
+                        f"max_bad_fraction={max_bad_fraction}{_example(q, dataset)}"
                     )
                 dt = time.perf_counter() - t0
                 log.info("ingest %s: %d rows, %d quarantined, %.1fs (%.0f rows/s)", src, good, bad, dt,
                          total / max(dt, 1e-9))
-                stats.append(SourceStats(path=str(src.resolve()), rows=good, quarantined_rows=bad))
+                stats.append(SourceStats(path=str(src.resolve()), rows=good, quarantined_rows=bad,
+                                         rows_by_day=dict(sorted(by_day.items()))))
             shards = writer.close()
             quarantined = q.count
         manifest = Manifest(
@@ -193,6 +220,7 @@ def ingest(
             quarantined_rows=quarantined,
             sources=[s.path for s in stats],
             source_stats=stats,
+            rows_by_day=_merge_days(s.rows_by_day for s in stats),
         )
         manifest.save(tmp)
         _replace_dir(tmp, out_dir)

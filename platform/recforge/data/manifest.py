@@ -30,6 +30,8 @@ class SourceStats(_Strict):
     path: str
     rows: int = Field(ge=0, description="valid rows ingested")
     quarantined_rows: int = Field(ge=0)
+    rows_by_day: dict[str, int] = Field(default_factory=dict, description="valid rows per UTC day "
+                                        "(YYYY-MM-DD) of the dataset's timestamp column; empty without one")
 
 
 class Manifest(_Strict):
@@ -39,6 +41,8 @@ class Manifest(_Strict):
     quarantined_rows: int = Field(ge=0)
     sources: list[str]
     source_stats: list[SourceStats] = Field(default_factory=list)
+    rows_by_day: dict[str, int] = Field(default_factory=dict, description="valid rows per UTC day (YYYY-MM-DD) "
+                                        "of the timestamp column over all sources; empty without one")
 
     _dir: Path | None = PrivateAttr(default=None)
 

@@ -1,4 +1,6 @@
-"""Reader for raw Criteo day files (tab-separated, no header, optionally gzip).
+"""Readers of raw day files: `read_source` dispatches by the dataset's format; this module is the Criteo path.
+
+Criteo day files (tab-separated, no header, optionally gzip; any schema with `is_criteo_layout`).
 
 Line layout: label (0/1), dense integers (may be negative), sparse 32-bit hex strings of 1-8 digits;
 an empty field is a missing value. A line ends at "\\n"; one "\\r" right before it (CRLF) is part of
@@ -15,10 +17,7 @@ reason (and which the tests compare the fast path with).
 """
 from __future__ import annotations
 
-import gzip
-import io
 import re
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -28,33 +27,21 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
 from recforge.config import DatasetConfig
-from recforge.data.errors import DataError
+from recforge.data.blocks import finish_block, line_bounds
+from recforge.data.encodings import INT64_MAX, INT64_MIN, vec_hex, vec_int
 from recforge.data.quarantine import Quarantine
+from recforge.data.rawinput import GZIP_MAGIC, RawInput, is_gzip, line_blocks, rebatch
+from recforge.data.reader_parquet import read_parquet
+from recforge.data.reader_text import read_text
 from recforge.data.schema import arrow_schema, column_names, empty_batch
 
-GZIP_MAGIC = b"\x1f\x8b\x08"  # gzip magic + deflate, the only method gzip defines
-BLOCK_BYTES = 8 << 20
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_HEX_DIGITS = 8
+__all__ = ["BLOCK_BYTES", "GZIP_MAGIC", "is_gzip", "parse_line_reference", "read_criteo", "read_criteo_table",
+           "read_source", "read_source_table"]
 
+BLOCK_BYTES = 8 << 20
+MAX_HEX_DIGITS = 8
 _INT_RE = re.compile(r"-?[0-9]+", re.ASCII)
 _HEX_RE = re.compile(r"[0-9a-fA-F]+", re.ASCII)
-
-# byte -> nibble value, 255 for a byte that is not a hex digit
-_HEX_LUT = np.full(256, 255, dtype=np.uint8)
-for _i, _c in enumerate(b"0123456789abcdef"):
-    _HEX_LUT[_c] = _i
-for _i, _c in enumerate(b"ABCDEF"):
-    _HEX_LUT[_c] = 10 + _i
-# two bytes (as little-endian uint16: first char in the low byte) -> their byte value, 0xFFFF if invalid
-_HEX_PAIR_LUT = np.full(1 << 16, 0xFFFF, dtype=np.uint16)
-_valid = np.flatnonzero(_HEX_LUT != 255)
-_HEX_PAIR_LUT[(_valid[:, None] | (_valid[None, :] << 8)).ravel()] = (
-    _HEX_LUT[_valid][:, None].astype(np.uint16) * 16 + _HEX_LUT[_valid][None, :]
-).ravel()
-# bytes allowed anywhere in a decimal integer field ("-" position is checked by the cast)
-_DEC_OK = np.zeros(256, dtype=bool)
-_DEC_OK[list(b"0123456789-")] = True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,101 +92,8 @@ def parse_line_reference(raw: bytes, dataset: DatasetConfig) -> tuple[list[int |
     return values, None
 
 
-# ----------------------------------------------------------------------------------------------
-# input
-
-
-def is_gzip(path: str | Path) -> bool:
-    """A ".gz" name, or a file that starts with gzip's header: such a file is read as gzip (a text row
-    cannot start with the control bytes 1f 8b), and a broken one is a DataError naming the file."""
-    path = Path(path)
-    if path.suffix == ".gz":
-        return True
-    with open(path, "rb") as fh:
-        return fh.read(len(GZIP_MAGIC)) == GZIP_MAGIC
-
-
-class _RawInput:
-    """Decompressed byte stream of a day file plus the position in the file on disk (for progress)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._fh = open(path, "rb")
-        self._stream: io.BufferedIOBase = gzip.GzipFile(fileobj=self._fh, mode="rb") if is_gzip(path) else self._fh
-
-    def read(self, n: int) -> bytes:
-        try:
-            return self._stream.read(n)
-        except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
-            raise DataError(f"{self.path}: corrupt or truncated gzip file: {exc}") from exc
-
-    def disk_pos(self) -> int:
-        return self._fh.tell()
-
-    def close(self) -> None:
-        if self._stream is not self._fh:
-            self._stream.close()
-        self._fh.close()
-
-
-# ----------------------------------------------------------------------------------------------
-# vectorized column parsers (on pyarrow string arrays of the well-shaped lines)
-
-
-def _string_parts(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(data bytes, starts, ends) of a pyarrow string array; null entries have start == end."""
-    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset : arr.offset + len(arr) + 1]
-    data_buf = arr.buffers()[2]
-    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
-    return data, offsets[:-1], offsets[1:]
-
-
-def _parse_hex(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """-> (values int64, null mask, bad mask). Empty/null entries are null, not bad."""
-    data, starts, ends = _string_parts(arr)
-    lens = ends - starts
-    null = lens == 0
-    n = len(arr)
-    values = np.zeros(n, dtype=np.int64)
-    bad = np.zeros(n, dtype=bool)
-    present = ~null
-    m = n - int(null.sum())
-    if m == 0:
-        return values, null, bad
-    if int(ends[-1] - starts[0]) == MAX_HEX_DIGITS * m and lens.max() == MAX_HEX_DIGITS:
-        # every present value has exactly 8 digits: the column's data is a dense [m, 8] byte matrix
-        chars = data[starts[0] : ends[-1]]
-    else:  # right-align each value in 8 bytes, padded with "0" (which is a valid digit)
-        bad |= lens > MAX_HEX_DIGITS
-        idx = ends[present][:, None] - MAX_HEX_DIGITS + np.arange(MAX_HEX_DIGITS)
-        inside = idx >= starts[present][:, None]
-        chars = np.where(inside, data[np.maximum(idx, 0)], np.uint8(48)).astype(np.uint8)
-    pairs = _HEX_PAIR_LUT[np.ascontiguousarray(chars).view("<u2")].reshape(m, MAX_HEX_DIGITS // 2)
-    if pairs.max() > 255:
-        bad[present] |= (pairs > 255).any(axis=1)
-    values[present] = pairs.astype(np.uint8).view(">u4").ravel()
-    values[bad] = 0
-    return values, null, bad
-
-
-def _parse_dense(arr: pa.Array) -> tuple[pa.Array, np.ndarray]:
-    """-> (int64 array, nulls where missing or bad; bad mask). Grammar: -?[0-9]+ within int64."""
-    data, starts, ends = _string_parts(arr)
-    if data.size == 0 or _DEC_OK[data[starts[0] : ends[-1]]].all():
-        try:  # arrow's cast accepts exactly -?[0-9]+ in range once "x"/"X" etc. are excluded above
-            return pc.cast(arr, pa.int64()), np.zeros(len(arr), dtype=bool)
-        except pa.ArrowInvalid:
-            pass
-    ok = pc.fill_null(pc.match_substring_regex(arr, r"^-?[0-9]{1,18}$"), True).to_numpy(zero_copy_only=False)
-    ok = np.asarray(ok, dtype=bool)
-    # 19+ digit candidates: decide the int64 range per value (rare)
-    for i in np.flatnonzero(~ok):
-        s = arr[int(i)].as_py()
-        if _INT_RE.fullmatch(s) and INT64_MIN <= int(s) <= INT64_MAX:
-            ok[i] = True
-    bad = ~ok
-    cleaned = pc.if_else(pa.array(bad), pa.scalar(None, pa.string()), arr)
-    return pc.cast(cleaned, pa.int64()), bad
+_parse_hex = vec_hex
+_parse_dense = vec_int
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,13 +148,6 @@ class _BlockParser:
             return None
         return table, [k - 1 for k in misshaped if k is not None]
 
-    @staticmethod
-    def _line_bounds(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        nl = np.flatnonzero(buf == 10)
-        ends = nl if (buf.size and buf[-1] == 10) else np.append(nl, buf.size)
-        starts = np.concatenate(([0], nl + 1))[: ends.size]
-        return starts, ends
-
     def _scan(self, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Lines the csv split must not see: wrong tab count, non-ASCII bytes, a "\r" not ending the line."""
         has_cr = (ends > starts) & (buf[np.maximum(ends - 1, 0)] == 13)
@@ -290,7 +177,7 @@ class _BlockParser:
                 good_lines = np.delete(good_lines, bad_lines)
         else:
             table = None
-            starts, ends = self._line_bounds(buf)
+            starts, ends = line_bounds(buf)
             suspicious = self._scan(buf, starts, ends)
             good_lines = np.flatnonzero(~suspicious)
             bad_lines = [int(i) for i in np.flatnonzero(suspicious)]
@@ -304,25 +191,9 @@ class _BlockParser:
                 if table.num_rows != good_lines.size:
                     raise RuntimeError(f"reader: csv split {table.num_rows} rows, expected {good_lines.size}")
 
-        if table is not None and table.num_rows:
-            batch, row_bad = self._convert(table)
-            if row_bad.any():
-                bad_lines.extend(int(i) for i in good_lines[row_bad])
-                batch = batch.filter(pa.array(~row_bad))
-        else:
-            batch = empty_batch(self.dataset)
-
-        rejected = []
-        if bad_lines:
-            if starts is None or ends is None:
-                starts, ends = self._line_bounds(buf)
-            for i in sorted(bad_lines):
-                raw = block[starts[i] : ends[i]]
-                values, reason = parse_line_reference(raw, self.dataset)
-                if reason is None:
-                    raise RuntimeError(f"reader: fast path rejected a row the reference accepts: {raw!r}")
-                rejected.append((i, raw, reason))
-        return batch, rejected
+        bounds = (starts, ends) if starts is not None and ends is not None else None
+        return finish_block(block, buf, table, good_lines, bad_lines, bounds, self._convert,
+                            empty_batch(self.dataset), lambda raw: parse_line_reference(raw, self.dataset))
 
     def _convert(self, table: pa.Table) -> tuple[pa.RecordBatch, np.ndarray]:
         n = table.num_rows
@@ -371,44 +242,22 @@ def read_criteo(
     if not path.is_file():
         raise FileNotFoundError(f"read_criteo: file not found: {path}")
     parser = _BlockParser(dataset)
-    source = _RawInput(path)
-    pending: list[pa.RecordBatch] = []
-    pending_rows = 0
-    lines_before = 0
-    carry = b""
-    try:
-        while True:
-            chunk = source.read(BLOCK_BYTES)
-            eof = not chunk
-            data = carry + chunk
-            if not eof:
-                cut = data.rfind(b"\n")
-                if cut < 0:
-                    carry = data
-                    continue
-                block, carry = data[: cut + 1], data[cut + 1 :]
-            else:
-                block, carry = data, b""
+    source = RawInput(path, dataset.compression)
+
+    def parsed() -> Iterator[pa.RecordBatch]:
+        lines_before = 0
+        for block in line_blocks(source, BLOCK_BYTES):
             if block:
                 batch, rejected = parser.parse(block)
                 for i, raw, reason in rejected:
                     quarantine.add(path, lines_before + i + 1, reason, raw)
                 lines_before += block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
-                if batch.num_rows:
-                    pending.append(batch)
-                    pending_rows += batch.num_rows
-                while pending_rows >= batch_rows:
-                    table = pa.Table.from_batches(pending)
-                    head, rest = table.slice(0, batch_rows), table.slice(batch_rows)
-                    yield head.combine_chunks().to_batches()[0]
-                    pending = rest.combine_chunks().to_batches() if rest.num_rows else []
-                    pending_rows -= batch_rows
+                yield batch
             if on_progress is not None:
                 on_progress(source.disk_pos())
-            if eof:
-                break
-        if pending_rows:
-            yield pa.Table.from_batches(pending).combine_chunks().to_batches()[0]
+
+    try:
+        yield from rebatch(parsed(), batch_rows)
     finally:
         source.close()
 
@@ -417,3 +266,34 @@ def read_criteo_table(path: str | Path, dataset: DatasetConfig, quarantine: Quar
     """All valid rows of one file as a Table (convenience for small files and tests)."""
     batches = list(read_criteo(path, dataset, quarantine))
     return pa.Table.from_batches(batches, schema=arrow_schema(dataset))
+
+
+def read_source(
+    path: str | Path,
+    dataset: DatasetConfig,
+    quarantine: Quarantine,
+    batch_rows: int = 65536,
+    *,
+    on_progress: Callable[[int], None] | None = None,
+) -> Iterator[pa.RecordBatch]:
+    """Valid rows of one day file of any schema (arrow_schema(dataset)), bad rows quarantined.
+
+    Dispatch: the Criteo layout -> read_criteo (the fast path above); other tsv/csv -> reader_text.read_text;
+    parquet -> reader_parquet.read_parquet. Schema-level problems (header, Parquet columns and types, corrupt
+    files) raise DataError naming the file, row or row group and column.
+    """
+    if batch_rows < 1:
+        raise ValueError(f"read_source: batch_rows must be >= 1, got {batch_rows}")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"read_source: file not found: {path}")
+    if dataset.format == "parquet":
+        return read_parquet(path, dataset, quarantine, batch_rows, on_progress=on_progress)
+    if dataset.is_criteo_layout:
+        return read_criteo(path, dataset, quarantine, batch_rows, on_progress=on_progress)
+    return read_text(path, dataset, quarantine, batch_rows, on_progress=on_progress)
+
+
+def read_source_table(path: str | Path, dataset: DatasetConfig, quarantine: Quarantine) -> pa.Table:
+    """All valid rows of one file of any schema as a Table (convenience for small files and tests)."""
+    return pa.Table.from_batches(list(read_source(path, dataset, quarantine)), schema=arrow_schema(dataset))

@@ -9,12 +9,12 @@ import argparse
 import logging
 import os
 import types
-from datetime import timedelta
+from datetime import UTC, date, timedelta
 from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from recforge.config import DATASET_PRESETS, PipelineConfig
+from recforge.config import PipelineConfig
 from recforge.config.pipeline import JOB_TIMEOUT_S
 from recforge.pipelines.context import EXPERIMENT, RunContext, run_key_from
 from recforge.pipelines.stage import (
@@ -22,7 +22,9 @@ from recforge.pipelines.stage import (
     InvalidInput,
     failure_kind,
     failure_reason,
+    is_data_error,
     is_recorded,
+    log_data_error,
     sigterm_raises,
 )
 
@@ -31,8 +33,13 @@ log = logging.getLogger("recforge.pipelines")
 # Param name -> PipelineConfig field path: the one table the DAG's Params, their validation and the README's options
 # table are built from. Airflow 3 TaskFlow reserves `run_id`, so none is used here.
 PARAM_FIELDS: dict[str, tuple[str, ...]] = {
-    "dataset_preset": ("dataset_preset",),
-    "source_dir": ("source_dir",),
+    "dataset_schema": ("dataset_schema",),
+    "source_uri": ("source_uri",),
+    "ready_marker": ("ready_marker",),
+    "holdout": ("holdout",),
+    "holdout_fraction": ("holdout_fraction",),
+    "sensor_timeout_s": ("sensor_timeout_s",),
+    "sensor_poke_s": ("sensor_poke_s",),
     "rows_per_day": ("rows_per_day",),
     "train_days": ("train_days",),
     "seed": ("seed",),
@@ -41,6 +48,10 @@ PARAM_FIELDS: dict[str, tuple[str, ...]] = {
     "epochs": ("train", "epochs"),
     "batch_size": ("train", "batch_size"),
     "warm_start": ("train", "warm_start"),
+    "embedding_optimizer": ("train", "embedding_optimizer"),
+    "embedding_lr": ("train", "embedding_lr"),
+    "dense_optimizer": ("train", "dense_optimizer"),
+    "dense_lr": ("train", "dense_lr"),
     "workers": ("resources", "workers"),
     "threads_per_worker": ("resources", "threads_per_worker"),
     "resources_policy": ("resources", "policy"),
@@ -63,11 +74,14 @@ PARAM_FIELDS: dict[str, tuple[str, ...]] = {
 # around the job.
 TRAIN_MARGIN_S = 1800.0
 STAGE_TIMEOUTS_S: dict[str, float] = {
+    # the sensor's own timeout (sensor_timeout_s, at most 7 days) fails it first, naming what is missing
+    "wait_for_data": 7 * 86400.0 + 3600.0,
     "generate": 3600.0, "ingest": 2 * 3600.0, "plan_resources": 3600.0, "train": JOB_TIMEOUT_S + TRAIN_MARGIN_S,
     "evaluate": 3600.0, "compile": 3600.0, "publish": 1800.0,
 }
 # A `str` field whose values a validator checks (not a Literal): its enum, from the set that validator uses.
-FIELD_ENUMS: dict[str, list[str]] = {"dataset_preset": sorted(DATASET_PRESETS)}
+# free text with suggestions (the form offers them; a schema file path is also valid)
+FIELD_EXAMPLES: dict[str, list[str]] = {"dataset_schema": ["criteo_kaggle", "criteo_terabyte"]}
 _JSON_TYPES: dict[type, str] = {bool: "boolean", int: "integer", float: "number", str: "string"}
 _BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
 
@@ -139,9 +153,10 @@ def param_spec(name: str) -> dict[str, Any]:
     info, default = _field(PARAM_FIELDS[name])
     jtype, enum = _json_type(info.annotation)
     spec: dict[str, Any] = {"default": default, "type": jtype, "description": info.description or ""}
-    enum = FIELD_ENUMS.get(name, enum)
     if enum is not None:
         spec["enum"] = enum
+    if name in FIELD_EXAMPLES:
+        spec["examples"] = FIELD_EXAMPLES[name]
     for constraint in info.metadata:
         for attr, key in _BOUNDS.items():
             if getattr(constraint, attr, None) is not None:
@@ -149,9 +164,23 @@ def param_spec(name: str) -> dict[str, Any]:
     return spec
 
 
+# the deployment's landing zone: the `source_uri` Param's default where the DAG is parsed (scripts/services.sh and
+# recforge.settings set <RECFORGE_HOME>/landing/day_{ds}.tsv.gz unless set; empty: synthetic days)
+SOURCE_URI_ENV = "RECFORGE_SOURCE_URI"
+
+
 def default_params() -> dict[str, dict[str, Any]]:
-    """Every Param of the daily DAG (name -> Param keyword arguments), read off PipelineConfig."""
-    return {name: param_spec(name) for name in PARAM_FIELDS}
+    """Every Param of the daily DAG (name -> Param keyword arguments), read off PipelineConfig; `source_uri`
+    defaults to $RECFORGE_SOURCE_URI when set (checked like any value: a bad one fails the DAG's parse, naming it)."""
+    params = {name: param_spec(name) for name in PARAM_FIELDS}
+    uri = os.environ.get(SOURCE_URI_ENV, "").strip()
+    if uri:
+        try:
+            PipelineConfig(source_uri=uri)
+        except ValidationError as e:
+            raise ValueError(f"{SOURCE_URI_ENV}={uri!r}: {_pydantic_problem(e.errors()[0])}") from None
+        params["source_uri"]["default"] = uri
+    return params
 
 
 def _type_problem(value: Any, jtype: str | list[str]) -> str | None:
@@ -225,14 +254,22 @@ def _named(err: Any) -> str:
     return f"config {'.'.join(loc) or '(top)'}: {_pydantic_problem(err)}"
 
 
-def data_day_of(context: dict[str, Any], config: dict[str, Any]) -> int:
-    """Calendar day (days since 0001-01-01) of the run's first synthetic day: its data interval's day minus the
-    training days, so the held-out day is the run's own day. Manual runs without a logical date use run_after."""
+def run_day_of(context: dict[str, Any]) -> date | None:
+    """The run's day: its logical date's (UTC), or run_after's for a manual run without one (Airflow 3)."""
     when = context.get("logical_date") or getattr(context["dag_run"], "run_after", None)
     if when is None:
+        return None
+    return (when.astimezone(UTC) if when.tzinfo else when).date()
+
+
+def data_day_of(context: dict[str, Any], config: dict[str, Any]) -> int:
+    """Calendar day (days since 0001-01-01) of the run's first day: the `train_days` days the run trains on end with
+    the run's own day (run_day_of); 0 when the run has no day."""
+    day = run_day_of(context)
+    if day is None:
         return 0
     train_days = config.get("train_days", PipelineConfig.model_fields["train_days"].default)
-    return max(0, when.date().toordinal() - int(train_days))
+    return max(0, day.toordinal() - int(train_days) + 1)
 
 
 def run_type_of(context: dict[str, Any]) -> str:
@@ -245,8 +282,9 @@ def run_stage_from_context(stage: str, context: dict[str, Any]) -> dict[str, Any
     """Run `stage` for the task's DAG run; its small scalar outputs are the task's XCom.
 
     Invalid input (INVALID_INPUT: a bad or unknown Param, a config or record that fails its schema, InvalidInput)
-    raises AirflowFailException: the task fails at once, a retry could not fix it. Anything else (a worker crash,
-    OSError, a timeout, SIGTERM) propagates and Airflow retries while attempts remain. Either way the DAG run's
+    and bad data (a DataError, logged first as `DATA ERROR: <one line>`) raise AirflowFailException: the task fails
+    at once, a retry could not fix it. Anything else (a worker crash, OSError, a timeout, SIGTERM) propagates and
+    Airflow retries while attempts remain. Either way the DAG run's
     MLflow runs end FAILED with the reason (run_stage records failures inside a stage, this those before it)."""
     run_key = context["dag_run"].run_id
     with sigterm_raises():
@@ -258,9 +296,10 @@ def run_stage_from_context(stage: str, context: dict[str, Any]) -> dict[str, Any
 
             out = STAGE_FUNCTIONS[stage](ctx).model_dump(mode="json")
         except BaseException as e:
+            log_data_error(e)  # `DATA ERROR: <one line>` first in the task log (once: run_stage may have logged it)
             if not is_recorded(e):
-                _record_failure(run_key, stage, e)
-            if isinstance(e, INVALID_INPUT):
+                record_failure(run_key, stage, e)
+            if isinstance(e, INVALID_INPUT) or is_data_error(e):
                 raise _no_retry(stage, e) from e
             if failure_kind(e) == "error":
                 _record_retry(context, run_key, stage)
@@ -272,10 +311,12 @@ def run_stage_from_context(stage: str, context: dict[str, Any]) -> dict[str, Any
 def _no_retry(stage: str, e: BaseException) -> Exception:
     from airflow.sdk.exceptions import AirflowFailException  # lazy: Airflow only inside a task, not on the CLI path
 
+    if is_data_error(e):  # the data stays as bad on a retry
+        return AirflowFailException(f"DATA ERROR: {stage}: {' '.join(str(e).split())} (bad input data, not retried)")
     return AirflowFailException(f"{stage}: invalid input, not retried: {type(e).__name__}: {e}")
 
 
-def _record_failure(run_key: str, stage: str, e: BaseException) -> None:
+def record_failure(run_key: str, stage: str, e: BaseException) -> None:
     """A failure before the stage's own MLflow run (a bad Param, an upstream record that fails its schema): the DAG
     run's parent run FAILED with it, so the run shows why."""
     try:

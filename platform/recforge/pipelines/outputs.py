@@ -7,7 +7,7 @@ the DAG-parse path, so nothing heavy here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -30,10 +30,15 @@ class StageOutputs(Record):
 class GenerateOutputs(StageOutputs):
     stage: ClassVar[str] = "generate"
 
-    files: list[str] = Field(description="raw day files: the training days, then the held-out day")
-    synthetic: bool = Field(description="generated here (True) or the user's source_dir (False)")
-    bayes_auc: list[float] | None = Field(None, description="synthetic only: Bayes-optimal AUC per day")
-    positive_rate: list[float] | None = Field(None, description="synthetic only: share of positive labels per day")
+    files: list[str] = Field(description="raw day files (local paths): the training days, then the held-out day's")
+    synthetic: bool = Field(description="generated here (True) or read from the landing zone, source_uri (False)")
+    bayes_auc: list[float] | None = Field(None, description="synthetic days: Bayes-optimal AUC per day file")
+    positive_rate: list[float] | None = Field(None, description="synthetic days: share of positive labels per day file")
+    run_day: str | None = Field(None, description="the run's day (YYYY-MM-DD, its logical date); None outside Airflow")
+    days: list[str] | None = Field(None, description="the day (YYYY-MM-DD) of each file; None: one file per day")
+    sources: list[str] | None = Field(None, description="landing zone: the URL each file was read from")
+    holdout: Literal["next_day", "split"] = Field(
+        "next_day", description="next_day: the last day's files are held out; split: the run day's last rows are")
 
 
 class SplitOutputs(Record):
@@ -45,13 +50,57 @@ class SplitOutputs(Record):
     shards: int = Field(ge=0)
 
 
+class ColumnSummary(Record):
+    """One column's statistics for the page (recforge.data.stats.ColumnStats, the fields the table shows)."""
+
+    name: str
+    role: str
+    missing_rate: float
+    distinct: int
+    distinct_exact: bool = True
+    min: float | None = None
+    max: float | None = None
+    mean: float | None = None
+    positive_rate: float | None = None
+    mean_length: float | None = None
+
+
+class DriftFlagRecord(Record):
+    """A drift flag as recorded (the fields of recforge.data.drift.DriftFlag)."""
+
+    column: str | None
+    kind: str
+    previous: float | str | None = None
+    current: float | str | None = None
+    threshold: float | None = None
+    message: str
+
+
+class DataStatsOutputs(Record):
+    """Column statistics of an ingested split and its drift against the previous day
+    (recforge.pipelines.hooks.data_stats.record_data_stats)."""
+
+    split: str
+    day: str | None = Field(None, description="the data day the statistics are keyed by (None: an undated run)")
+    rows: int = Field(ge=0)
+    stats_path: str = Field(description="stats.json beside the split's manifest")
+    drift_path: str = Field(description="drift.json beside the split's manifest: the flags and what was compared")
+    plot_path: str | None = Field(None, description="missing rate per column, this day vs the previous one (PNG)")
+    previous_day: str | None = Field(None, description="the day compared against (None: no earlier day recorded)")
+    previous_stats: str | None = Field(None, description="the earlier day's stats file compared against")
+    columns: list[ColumnSummary]
+    flags: list[DriftFlagRecord] = Field(default_factory=list)
+    drifted_columns: list[str] = Field(default_factory=list)
+
+
 class IngestOutputs(StageOutputs):
     stage: ClassVar[str] = "ingest"
 
-    train: SplitOutputs = Field(description="every day but the last")
-    holdout: SplitOutputs = Field(description="the last day, for evaluate and compile")
+    train: SplitOutputs = Field(description="the training days (holdout split: less the run day's last rows)")
+    holdout: SplitOutputs = Field(description="the held-out rows (holdout setting), for evaluate and compile")
     rows_ingested: int = Field(ge=0)
     rows_quarantined: int = Field(ge=0)
+    stats: DataStatsOutputs | None = Field(None, description="column statistics and drift of the training split")
 
 
 # --- plan_resources ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -45,11 +46,35 @@ def is_recorded(exc: BaseException) -> bool:
     return bool(getattr(exc, _RECORDED, False))
 
 
+def is_data_error(exc: BaseException) -> bool:
+    """A recforge.data.errors.DataError: the input data's fault, not the code's. Checked without importing
+    recforge.data (its package pulls pyarrow onto the DAG-parse path): an instance means the module is loaded."""
+    cls = getattr(sys.modules.get("recforge.data.errors"), "DataError", None)
+    return isinstance(cls, type) and isinstance(exc, cls)
+
+
+_DATA_LOGGED = "_recforge_data_error_logged"
+
+
+def log_data_error(exc: BaseException) -> None:
+    """Log a DataError's one line, `DATA ERROR: ...`, once per exception: the first line of the failure in the task
+    log, before any traceback. Anything else: nothing."""
+    if not is_data_error(exc) or getattr(exc, _DATA_LOGGED, False):
+        return
+    one_line = getattr(exc, "one_line", None)
+    log.error("DATA ERROR: %s", one_line() if callable(one_line) else " ".join(str(exc).split()))
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(exc, _DATA_LOGGED, True)
+
+
 def failure_kind(exc: BaseException) -> str:
-    """The ERROR_KIND_TAG value of a failure: cancelled, invalid_input (no retry) or error (retried). (The DAG's
-    failure callback adds `killed`: a process that died without closing its run.)"""
+    """The ERROR_KIND_TAG value of a failure: cancelled, data (a DataError: the input data is bad; no retry),
+    invalid_input (no retry) or error (a code or environment error; retried). (The DAG's failure callback adds
+    `killed`: a process that died without closing its run.)"""
     if isinstance(exc, (JobCancelled, KeyboardInterrupt)):
         return "cancelled"
+    if is_data_error(exc):
+        return "data"
     if isinstance(exc, INVALID_INPUT):
         return "invalid_input"
     return "error"
@@ -96,6 +121,7 @@ def run_stage(ctx: RunContext, model: type[OutputsT],
                 raise TypeError(f"stage {stage!r} returned {type(outputs).__name__}, not {model.__name__}")
             outputs = writer.commit(outputs.model_copy(update={"mlflow_run_id": run_id}))
     except BaseException as e:
+        log_data_error(e)  # first, before anything else about the failure
         writer.abort()
         kind, reason = failure_kind(e), failure_reason(e)
         log.error("stage %s of %s failed (%s): %s", stage, ctx.run_key, kind, reason)

@@ -2,7 +2,8 @@
 
 Scalar columns are [B, F] matrices in dataset order (row-major, contiguous). A sparse column stored as a list
 (multi-hot, Arrow list<int>) goes into `jagged` (values + lengths, see jagged.py); its slot in `sparse` holds 0 /
-invalid.
+invalid. `dense` is int64 when every dense column of the dataset is an integer one (Criteo), else float64 (int
+columns converted: exact up to 2**53); executors take either.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ INT64_MAX = np.iinfo(np.int64).max
 @dataclass(frozen=True)
 class RawBatch:
     label: Tensor  # float32[B]
-    dense: Tensor  # int64[B, Fd], nulls as 0
+    dense: Tensor  # int64[B, Fd] (float64 when the dataset has a float dense column), nulls as 0
     dense_valid: Tensor  # bool[B, Fd]
     sparse: Tensor  # int64[B, Fs], nulls as 0
     sparse_valid: Tensor  # bool[B, Fs]
@@ -35,7 +36,9 @@ class RawBatch:
 
     @classmethod
     def from_arrow(cls, rb: pa.RecordBatch | pa.Table, dataset: DatasetConfig) -> RawBatch:
-        """Columns are looked up by name (dataset order); integer columns, nulls -> 0 with valid False."""
+        """Columns are looked up by name (dataset order), nulls -> 0 with valid False. Integer columns (label, ids,
+        int dense); a float dense column (any Arrow float or integer type) makes `dense` float64, and its NaNs count
+        as missing (valid False), as pandas and NVTabular read them."""
         names = set(rb.schema.names)
         missing = [n for n in [dataset.label, *dataset.dense_names, *dataset.sparse_names] if n not in names]
         if missing:
@@ -49,10 +52,14 @@ class RawBatch:
             raise ValueError(f"RawBatch.from_arrow: label column {dataset.label!r} has {bad} values not in {{0, 1}}")
         for n in dataset.dense_names:
             if _is_list(_column(rb, n).type):
-                raise TypeError(f"RawBatch.from_arrow: dense column {n!r} must be a scalar integer column, "
+                raise TypeError(f"RawBatch.from_arrow: dense column {n!r} must be a scalar numeric column, "
                                 f"got {_column(rb, n).type}")
         lists = [n for n in dataset.sparse_names if _is_list(_column(rb, n).type)]
-        dense, dense_valid = _matrix(rb, dataset.dense_names, set())
+        floats = {f.name for f in dataset.dense if f.dtype == "float"}
+        if floats:
+            dense, dense_valid = _float_matrix(rb, dataset.dense_names, floats)
+        else:
+            dense, dense_valid = _matrix(rb, dataset.dense_names, set())
         sparse, sparse_valid = _matrix(rb, dataset.sparse_names, set(lists))
         return cls(
             label=torch.from_numpy(label.astype(np.float32)),
@@ -127,6 +134,27 @@ def _matrix(rb: pa.RecordBatch | pa.Table, names: list[str], lists: set[str]) ->
         col = _column(rb, n)
         values[:, j] = _values(col, n)
         valid[:, j] = col.is_valid().to_numpy(zero_copy_only=False)
+    return torch.from_numpy(values), torch.from_numpy(valid)
+
+
+def _float_matrix(rb: pa.RecordBatch | pa.Table, names: list[str], floats: set[str]) -> tuple[Tensor, Tensor]:
+    """The dense matrix of a dataset with float columns: float64 [B, F], row-major; NaN -> missing."""
+    values = np.zeros((rb.num_rows, len(names)), dtype=np.float64)
+    valid = np.zeros((rb.num_rows, len(names)), dtype=bool)
+    for j, n in enumerate(names):
+        col = _column(rb, n)
+        ok = col.is_valid().to_numpy(zero_copy_only=False)
+        if n in floats:
+            if not (pa.types.is_floating(col.type) or pa.types.is_integer(col.type)):
+                raise TypeError(f"RawBatch.from_arrow: float column {n!r} must be a numeric type, got {col.type}")
+            x = col.cast(pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False)
+            nan = np.isnan(x)
+            if nan.any():
+                ok = ok & ~nan
+                x = np.where(nan, 0.0, x)
+        else:
+            x = _values(col, n).astype(np.float64)
+        values[:, j], valid[:, j] = x, ok
     return torch.from_numpy(values), torch.from_numpy(valid)
 
 

@@ -67,8 +67,10 @@ def check_batch(raw: RawBatch, dataset: DatasetConfig, plan: Plan) -> None:
                 f"raw batch has {have} {kind} columns, dataset {dataset.name!r} has {len(names)}"
                 + (f" (missing {missing[:5]})" if missing else "")
             )
-        if values.dtype != torch.int64:
-            raise BatchError(f"raw batch {kind} columns {names[:3]}...: must be int64, got {values.dtype}")
+        allowed = (torch.int64, torch.float64) if kind == "dense" else (torch.int64,)
+        if values.dtype not in allowed:
+            want = "int64 or float64" if kind == "dense" else "int64"
+            raise BatchError(f"raw batch {kind} columns {names[:3]}...: must be {want}, got {values.dtype}")
         if valid.shape != values.shape or valid.dtype != torch.bool:
             raise BatchError(f"raw batch {kind}_valid must be bool {list(values.shape)}, got {valid.dtype} "
                              f"{list(valid.shape)}")

@@ -19,7 +19,7 @@ from recforge.preprocess.executors.dali import DaliExecutor
 from recforge.preprocess.executors.eager import EagerExecutor
 from recforge.preprocess.executors.fused import FusedExecutor
 from recforge.preprocess.executors.record import MODULE, ExecutionLog, process_log
-from recforge.preprocess.module import PreprocessModule
+from recforge.preprocess.module import LENGTHS_SUFFIX, PreprocessModule, module_kjt
 from recforge.preprocess.planning.plan import Plan
 
 
@@ -53,17 +53,26 @@ class TorchExecutor:
 
     @torch.no_grad()
     def __call__(self, raw: RawBatch) -> tuple[Tensor, KeyedJaggedTensor]:
-        lists = [s for s in self.plan.sources() if s in raw.jagged]
-        if lists:
-            raise ValueError(f"TorchExecutor: list columns {lists} need make_executor('fused' | 'eager' | 'dali'); "
-                             "the module form takes one value per row")
         if raw.dense.device != self._device:
             self._device = raw.dense.device
             self.module.to(self._device)
-        dense, ids = self.module(raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid)
+        undeclared = [s for s in self.plan.sources() if s in raw.jagged and s not in self.module.list_columns]
+        if undeclared:
+            raise ValueError(f"TorchExecutor: columns {undeclared} arrive as lists but the dataset does not declare "
+                             "them multi_hot")
+        if self.module.list_columns:  # multi-hot columns: values + lengths, the third output per list feature
+            jagged: dict[str, Tensor] = {}
+            for name in self.module.list_columns:
+                col = raw.jagged[name]
+                jagged[name], jagged[name + LENGTHS_SUFFIX] = col.values, col.lengths
+            dense, ids, lists = self.module(raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid, jagged)
+            kjt = module_kjt(self.keys, ids, lists)
+        else:
+            dense, ids = self.module(raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid)
+            kjt = ids_to_kjt(ids, self.keys)
         for counts in (self.executed, process_log()):
             counts.add(MODULE, native=False, reason="PreprocessModule (torch ops, exportable)")
-        return dense, ids_to_kjt(ids, self.keys)
+        return dense, kjt
 
     def describe(self) -> dict[str, Any]:
         return {"executor": "module", "plan": self.plan.name, "groups": len(self.module.groups),

@@ -10,6 +10,9 @@ from recforge.preprocess.jagged import JaggedColumn, JaggedColumns
 
 INT64_MIN, INT64_MAX = np.iinfo(np.int64).min, np.iinfo(np.int64).max
 EXTREMES = np.array([0, 1, -1, INT64_MIN, INT64_MAX, INT64_MIN + 1, INT64_MAX - 1, 2**31, -(2**31), 2**53 + 1])
+# float dense columns: beyond float32 (-> inf), subnormal, signed zero, NaN / inf, near float32 rounding
+FLOAT_EXTREMES = np.array([0.0, -0.0, 1.0, -1.0, np.nan, np.inf, -np.inf, 1e300, -1e300, 1e-45, 1e-300, 3.4028235e38,
+                           2.0**53 + 1, 0.1, 1e-9, 16777217.0])
 
 
 def random_raw_batch(
@@ -18,7 +21,8 @@ def random_raw_batch(
 ) -> RawBatch:
     """Dense values mostly small (Criteo counts, some negative), sparse ids 32-bit, a share of nulls and int64
     extremes; `list_columns` (sparse names) become list columns of 0..max_list ids (some empty, some null
-    elements)."""
+    elements). A dataset with a float dense column gets a float64 dense matrix, as RawBatch.from_arrow makes it:
+    its float columns hold fractions and float extremes (NaN, +-inf, beyond float32), its int columns counts."""
     rng = np.random.default_rng(seed)
     fd, fs = len(dataset.dense), len(dataset.sparse)
     dense = rng.integers(-3, 60, (rows, fd))
@@ -26,6 +30,14 @@ def random_raw_batch(
     for m in (dense, sparse):
         hit = rng.random(m.shape) < extreme_rate
         m[hit] = rng.choice(EXTREMES, int(hit.sum()))
+    floats = [j for j, c in enumerate(dataset.dense) if c.dtype == "float"]
+    if floats:
+        dense = np.clip(dense, -(2**53), 2**53).astype(np.float64)  # int columns of a float matrix: exact
+        for j in floats:
+            col = rng.lognormal(0.0, 3.0, rows) * rng.choice([1.0, 1.0, 1.0, -1.0], rows)
+            hit = rng.random(rows) < extreme_rate
+            col[hit] = rng.choice(FLOAT_EXTREMES, int(hit.sum()))
+            dense[:, j] = col
     dense_valid = rng.random((rows, fd)) >= null_rate
     sparse_valid = rng.random((rows, fs)) >= null_rate
     jagged = {}
@@ -41,7 +53,7 @@ def random_raw_batch(
                                     torch.from_numpy(rng.random(n) >= null_rate))
     return RawBatch(  # row-major, as RawBatch.from_arrow makes them
         label=torch.from_numpy(rng.integers(0, 2, rows).astype(np.float32)),
-        dense=torch.from_numpy(dense.astype(np.int64)), dense_valid=torch.from_numpy(dense_valid),
+        dense=torch.from_numpy(dense if floats else dense.astype(np.int64)), dense_valid=torch.from_numpy(dense_valid),
         sparse=torch.from_numpy(sparse.astype(np.int64)), sparse_valid=torch.from_numpy(sparse_valid),
         jagged=JaggedColumns(jagged),
     )

@@ -304,9 +304,15 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], dynamic_batch: boo
     inputs = tuple(example_inputs)
     lowered = getattr(module, "lowered", None)
     target = lowered() if lowered is not None else module
+    dims, traced = dynamic_shapes, inputs
+    hint = getattr(target, "dynamic_shapes_for", None)
+    if dims is None and dynamic_batch and callable(hint):  # a model with list columns names its own dims
+        dims = hint(inputs)
+        if dims is not None:  # and traces a copy without sizes 0 / 1 (InferenceModule.export_example)
+            traced = getattr(target, "export_example")(inputs)  # noqa: B009  (nn.Module's __getattr__ types)
     with eval_mode(module), eval_mode(target):
         before = dispatched_ops(module, inputs)
-        cap = capture(target, inputs, dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes,
+        cap = capture(target, traced, dynamic_batch=dynamic_batch, dynamic_shapes=dims,
                       size_oblivious=size_oblivious)
         ep = cap.program
         nodes = graph_ops(ep.graph_module)
@@ -322,7 +328,9 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], dynamic_batch: boo
             "num_embedding_lookups": count_lookups(nodes),
             "op_histogram": dict(sorted(nodes.items())),
             "export_s": round(cap.export_s, 3),
-            "capture_notes": cap.notes,
+            "capture_notes": cap.notes + ([] if traced is inputs else [
+                "traced on a copy of the example with at least 2 rows and 2 values per list column"]),
+            **_aliases(target, cap.input_names),
             "out_of_bounds": out_of_bounds,
             "compile_options": {"dynamic_batch": dynamic_batch, "backend": backend, "atol": atol,
                                 "fuse_columns": fuse_columns, "onednn": onednn, "out_of_bounds": out_of_bounds,
@@ -355,9 +363,9 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], dynamic_batch: boo
             gm, dense_names = build_residual(ep, cc.fused_out, cc.plan.total_dim)
             pos = {n: i for i, n in enumerate(cap.input_names)}
             dense_index = [pos[n] for n in dense_names]
-            dims = _residual_dims(cap, dense_names) if dynamic_batch or dynamic_shapes is not None else \
+            res_dims = _residual_dims(cap, dense_names) if dynamic_batch or dims is not None else \
                 [None] * (len(dense_names) + 1)
-            dense_ep = export_residual(gm, [leaves[i] for i in dense_index] + [emb], dims)
+            dense_ep = export_residual(gm, [leaves[i] for i in dense_index] + [emb], res_dims)
             metadata["recom"] = cc.report
             metadata["recom_status"] = f"{cc.report['fused']} of {cc.report['columns']} columns fused"
             metadata["column_compile_s"] = round(time.perf_counter() - t0, 3)
@@ -367,7 +375,10 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], dynamic_batch: boo
                                      fallback=module, onednn=onednn)
         compiled.metadata["ops_compiled"] = sum(dispatched_ops(compiled, inputs).values())
         compiled.metadata["example_max_abs_diff"] = check_against_eager(compiled, module, inputs, atol=atol)
-        one = _first_row(inputs) if dynamic_batch and dynamic_shapes is None else None
+        if dims is not None and dynamic_shapes is None:  # the module's own dims: it cuts its rows (list columns)
+            one = getattr(target, "rows_of")(inputs, [0])  # noqa: B009  (nn.Module's __getattr__ types)
+        else:
+            one = _first_row(inputs) if dynamic_batch and dynamic_shapes is None else None
         if one is not None:  # the capture reasoned about sizes >= 2: check the size it did not see
             try:
                 with torch.no_grad():
@@ -377,6 +388,16 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], dynamic_batch: boo
         if one is not None:
             compiled.metadata["one_row_max_abs_diff"] = check_against_eager(compiled, module, one, atol=atol)
     return compiled
+
+
+def _aliases(target: nn.Module, input_names: list[str]) -> dict[str, Any]:
+    """{"input_aliases": [...]} when the module names its flat inputs (InferenceModule.raw_input_names) and they
+    differ from the captured placeholder names (a jagged dict's leaves are "jagged_<key>"): what serving accepts."""
+    names = getattr(target, "raw_input_names", None)
+    aliases = list(names()) if callable(names) else None
+    if aliases is None or len(aliases) != len(input_names) or aliases == list(input_names):
+        return {}
+    return {"input_aliases": aliases}
 
 
 def _first_row(inputs: tuple) -> tuple | None:

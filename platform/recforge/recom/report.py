@@ -11,6 +11,7 @@ import torch
 
 from recforge.recom.compile import CompiledModel, batch_size_of, check_against_eager, max_abs_diff, tile_rows
 from recforge.recom.family import batch_of, select_rows
+from recforge.recom.inference import select_raw_rows
 
 
 @contextmanager
@@ -52,11 +53,15 @@ def measure_latency(fn: Callable[..., Any], inputs: Sequence[Any], repeats: int 
 
 def take_rows(inputs: Sequence[Any], n: int) -> tuple:
     """The first ``n`` rows of a batch of inputs (rows repeat cyclically when it has fewer); a request dict
-    with jagged columns (``<name>`` + ``<name>_lengths``) keeps each row's values."""
+    with jagged columns (``<name>`` + ``<name>_lengths``) keeps each row's values, and so do the raw inputs of an
+    InferenceModule over list columns (four matrices + a jagged dict)."""
     inputs = tuple(inputs)
     if len(inputs) == 1 and isinstance(inputs[0], dict) and any(k.endswith("_lengths") for k in inputs[0]):
         batch = batch_of(inputs[0])
         return (select_rows(inputs[0], [i % batch for i in range(n)]),)
+    if len(inputs) == 5 and isinstance(inputs[4], dict):
+        batch = int(inputs[0].shape[0])
+        return select_raw_rows(inputs, [i % batch for i in range(n)])
     return tile_rows(inputs, n)
 
 

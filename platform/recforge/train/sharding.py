@@ -6,7 +6,7 @@ embedding rows inside the backward pass; no embedding gradient is ever materiali
 fused_embeddings=False: the plain (dense) EBC kernel; gradients are full dense tensors and a regular
 optimizer steps them. torchrec 1.8 allows the DENSE kernel only with data_parallel sharding.
 
-Dense params (bottom/over arch, DDP-replicated) always use Adam(dense_lr).
+Dense params (bottom/over arch, DDP-replicated) use TrainConfig.dense_optimizer (Adam) at dense_lr.
 
 shard_model(..., placements=...): the plan comes from given per-table placements (recforge.train.placement, e.g. the
 RAP mapping MILP's choice) instead of the planner; table_wise / column_wise get the FUSED kernel, data_parallel the
@@ -98,8 +98,8 @@ def shard_model(
     world_size: int,
     device: torch.device,
     pg: dist.ProcessGroup | None = None,
-    embedding_optimizer: str = "rowwise_adagrad",
-    dense_optimizer: str = "adam",
+    embedding_optimizer: str | None = None,
+    dense_optimizer: str | None = None,
     placements: Mapping[str, Placement] | None = None,
 ) -> ShardedModel:
     """Wrap `model` (an unsharded DLRM from build_dlrm) in DMP; needs an initialized process group.
@@ -114,6 +114,8 @@ def shard_model(
     over distinct ranks into equal shards of a multiple of 4 columns, each kind allowed by
     sharding_constraints(train) (table_wise / column_wise need fused_embeddings).
     """
+    embedding_optimizer = embedding_optimizer or train.embedding_optimizer  # an argument overrides the config
+    dense_optimizer = dense_optimizer or train.dense_optimizer
     if embedding_optimizer not in EMBEDDING_OPTIMIZERS:
         raise ValueError(f"embedding_optimizer: {embedding_optimizer!r}; choose one of {sorted(EMBEDDING_OPTIMIZERS)}")
     if dense_optimizer not in DENSE_OPTIMIZERS:

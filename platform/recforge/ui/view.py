@@ -185,6 +185,7 @@ def run_detail(run: RunRecord, ml: MlflowView, links: MlflowLinks) -> dict[str, 
 
     page["systems"] = section("systems", system_rows, facts, status) or []
     page["data"] = section("data", _data_section, run)
+    page["data_stats"] = section("data_stats", _data_stats_section, run)
     page["plan"] = section("plan", _plan_section, run)
     page["schedule"] = section("schedule", _schedule_section, run)
     page["resources"] = section("resources", _resource_section, run, mlruns, ml, facts.events)
@@ -217,6 +218,40 @@ def _data_section(run: RunRecord) -> dict | None:
             rows.append((f"{split} rows (shards, quarantined)",
                          f"{fmt(part.rows)} ({fmt(part.shards)}, {fmt(part.quarantined)})"))
     return {"rows": rows}
+
+
+STATS_PLOT_BYTES = 4 << 20
+
+
+def _data_stats_section(run: RunRecord) -> dict | None:
+    """ingest's column statistics of the training day(s) and the drift flags against the previous day."""
+    ing = run.read(IngestOutputs)
+    stats = ing.stats if ing is not None else None
+    if stats is None:
+        return None
+    drifted = set(stats.drifted_columns)
+    kinds: dict[str, list[str]] = {}
+    for f in stats.flags:
+        if f.column is not None:
+            kinds.setdefault(f.column, []).append(f.kind)
+    columns = [{
+        "name": c.name, "role": c.role, "missing_rate": f"{100 * c.missing_rate:.1f} %",
+        "distinct": fmt(c.distinct) if c.distinct_exact else f"≈ {fmt(c.distinct)}",
+        "min": fmt(c.min), "max": fmt(c.max), "mean": fmt(c.mean),
+        "extra": (f"positive rate {100 * c.positive_rate:.2f} %" if c.positive_rate is not None else
+                  f"mean length {fmt(c.mean_length)}" if c.mean_length is not None else ""),
+        "drift": c.name in drifted, "kinds": ", ".join(kinds.get(c.name, [])),
+    } for c in stats.columns]
+    plot_file = run.inside(stats.plot_path, "ingest")
+    plot = None
+    if plot_file is not None and plot_file.stat().st_size <= STATS_PLOT_BYTES:
+        plot = base64.b64encode(plot_file.read_bytes()).decode()
+    return {
+        "split": stats.split, "day": stats.day or "undated run", "rows": fmt(stats.rows),
+        "previous_day": stats.previous_day, "compared": stats.previous_stats is not None,
+        "flags": [{"column": f.column or "(all rows)", "kind": f.kind, "message": f.message} for f in stats.flags],
+        "columns": columns, "plot": plot,
+    }
 
 
 def _plan_section(run: RunRecord) -> dict | None:

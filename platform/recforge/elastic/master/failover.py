@@ -1,15 +1,17 @@
 """Failover policy (DLRover `_should_relaunch`): relaunch a failed worker group or give up, and how.
 
 Workers record their exception (`record_exception`) as `<failures_dir>/gen<g>-rank<r>.json`; the supervisor
-turns a failed launch into a `Failure` and asks `FailoverPolicy.decide`: give up on a deterministic code error
-(the same exception at the same place twice) or a spent restart budget, else relaunch, after out-of-memory with
-more gradient accumulation or more memory. Design: docs/fault_tolerance.md#the-failover-policy.
+turns a failed launch into a `Failure` and asks `FailoverPolicy.decide`: give up on bad input data (a DataError:
+a relaunch reads the same data), a deterministic code error (the same exception at the same place twice) or a spent
+restart budget, else relaunch, after out-of-memory with more gradient accumulation or more memory.
+Design: docs/fault_tolerance.md#the-failover-policy.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -34,6 +36,7 @@ class FailureRecord:
     oom: bool
     collateral: bool
     time: float
+    data_error: bool = False  # a recforge.data.errors.DataError: the input data is bad, not the code
 
     @property
     def signature(self) -> str:
@@ -46,6 +49,13 @@ def is_oom(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(p in text for p in OOM_PATTERNS)
+
+
+def is_data_error(exc: BaseException) -> bool:
+    """A recforge.data.errors.DataError (checked by class, without importing recforge.data: an instance means its
+    module is loaded)."""
+    cls = getattr(sys.modules.get("recforge.data.errors"), "DataError", None)
+    return isinstance(cls, type) and isinstance(exc, cls)
 
 
 def is_collateral(exc: BaseException) -> bool:
@@ -64,7 +74,7 @@ def record_exception(failures_dir: str | Path, *, rank: int, generation: int, ex
     rec = FailureRecord(
         generation=generation, rank=rank, exc_type=type(exc).__name__, message=str(exc)[:2000], where=where,
         traceback="".join(traceback.format_exception(exc))[-8000:], oom=is_oom(exc),
-        collateral=is_collateral(exc) and not is_oom(exc), time=time.time(),
+        collateral=is_collateral(exc) and not is_oom(exc), time=time.time(), data_error=is_data_error(exc),
     )
     d = Path(failures_dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -88,7 +98,7 @@ def read_records(failures_dir: str | Path | None, generations: range) -> list[Fa
 
 @dataclass
 class Failure:
-    kind: str  # "error" | "oom" | "killed" | "hang"
+    kind: str  # "error" | "data" | "oom" | "killed" | "hang"
     exit_code: int | None
     generations: list[int]
     records: list[FailureRecord] = field(default_factory=list)
@@ -122,6 +132,8 @@ class Failure:
             kind = "hang"
         elif oom_killed or any(r.oom for r in primary):
             kind = "oom"
+        elif primary and primary[0].data_error:
+            kind = "data"
         elif primary:
             kind = "error"
         else:
@@ -157,6 +169,9 @@ class FailoverPolicy:
     def decide(self, failure: Failure, history: list[Failure], *, restarts_used: int, batch_size: int,
                grad_accumulation: int) -> Decision:
         """`history`: earlier failures of this job; `restarts_used`: group restarts so far (all kinds)."""
+        if failure.kind == "data":
+            return Decision(False, f"data error, not relaunched (a relaunch reads the same data): "
+                                   f"{failure.describe()}")
         sig = failure.signature
         if sig is not None:
             for old in history:

@@ -30,6 +30,7 @@ class InstabilityStage:
                  memory: MemoryModel | None = None) -> None:
         self.job, self.limits, self.cfg, self.memory = job, limits, cfg, memory
         self.trends: dict[tuple[str, int], MemoryTrend] = {}
+        self._trend_shape: tuple[int, int] | None = None  # (workers, servers) the trends were measured under
         self.pending_relaunches = 0
         self.last_migration_s: float | None = None
 
@@ -126,6 +127,10 @@ class InstabilityStage:
         groups = [("worker", "memory_per_worker", obs.worker_memory, obs.oom_workers)]
         if plan.servers > 0:
             groups.append(("server", "memory_per_server", obs.server_memory, obs.oom_servers))
+        shape = (plan.workers, plan.servers)
+        if shape != self._trend_shape:  # a rescale re-shards the embeddings: each pod's memory jumps, not a trend
+            self.trends.clear()
+            self._trend_shape = shape
         for group, _, rss_list, _ in groups:
             for i, rss in enumerate(rss_list):
                 self.trends.setdefault((group, i), MemoryTrend()).add(obs.step, rss)

@@ -1,4 +1,4 @@
-"""Cluster simulator for resource policies (`recforge simulate`): static vs Optimus-style vs DLRover-RM on one trace."""
+"""Cluster simulator for resource policies (`recforge simulate`): static vs Optimus vs DLRover-RM on one trace."""
 # The trace (trace.py: arrivals, sizes, misconfigurations, faults) runs on a Kubernetes-like cluster
 # (cluster.py) at a hidden true throughput (truth.py) under each policy (policies.py; DLRover-RM is
 # recforge.elastic.optimizer's real code); report.py turns the results into a table, JSON and plots.

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-app = typer.Typer(help="cluster simulator: static vs Optimus-style vs DLRover-RM resource policies",
+app = typer.Typer(help="cluster simulator: static vs Optimus vs DLRover-RM resource policies",
                   invoke_without_command=True)
 
 
@@ -20,13 +20,20 @@ def simulate_cmd(
     memory_per_node_gib: float = typer.Option(128.0, help="memory per node (GiB)"),
     arrival_window_h: float | None = typer.Option(
         None, help="arrivals spread over this many hours (default: 72 h per 1,000 jobs)"),
-    policies: str = typer.Option("static,optimus,dlrover", help="comma-separated: static, optimus, dlrover, "
-                                 "dlrover-nowarm, dlrover-nostage3, dlrover-nofailover"),
+    policies: str = typer.Option("static,optimus,dlrover", help="comma-separated: static, optimus, optimus-stage2, "
+                                 "dlrover, dlrover-nowarm, dlrover-nostage3, dlrover-nofailover"),
+    shape: str = typer.Option("torchrec", help="job shape: torchrec (workers only) or ps (parameter servers)"),
     seed: int = typer.Option(0, help="trace and fault seed (the run is deterministic under it)"),
     out: Path | None = typer.Option(None, help="directory for simulation.json and the plots"),
     params_json: Path | None = typer.Option(None, "--trace-params", help="JSON file overriding TraceParams fields"),
 ):
     """Simulate a trace of DLRM jobs on a cluster under each policy; print a table, write JSON and plots."""
+    from recforge.elastic.simulate.limits import SimulationTooLarge, check_size  # lazy: as below
+
+    try:
+        check_size(jobs, nodes)  # before anything is generated: a size this machine cannot hold says so
+    except SimulationTooLarge as e:
+        raise typer.BadParameter(str(e)) from e
     from recforge.elastic.simulate import (  # lazy: numpy / scipy off the `recforge --help` path
         ClusterSpec,
         SimParams,
@@ -44,7 +51,7 @@ def simulate_cmd(
         raise typer.BadParameter(f"unknown trace parameters {sorted(unknown)}; "
                                  f"known: {sorted(TraceParams.__dataclass_fields__)}")
     window = arrival_window_h if arrival_window_h is not None else 72.0 * jobs / 1000
-    tp = TraceParams(**{"n_jobs": jobs, "arrival_window_h": window, **overrides})
+    tp = TraceParams(**{"shape": shape, "n_jobs": jobs, "arrival_window_h": window, **overrides})
     cluster = ClusterSpec(nodes=nodes, cpu_per_node=cpu_per_node, memory_per_node=memory_per_node_gib * (1 << 30))
     names = [p.strip() for p in policies.split(",") if p.strip()]
     for n in names:

@@ -3,12 +3,16 @@
 Between events every running job progresses at its true throughput (truth.py), so the clock jumps from
 event to event. Events: arrival, profiler tick (every `tick_s`), resume after a (re)launch overhead,
 finish, server OOM (when the growing embeddings pass the memory of the most loaded server), worker OOM,
-node eviction, pending checks. Randomness comes from the trace and from generators seeded by
-(seed, job, tick) / (seed, node), so a run is deterministic under its seed and the policies face the
-same faults.
+node eviction, pending checks, and for a cluster-wide policy (Optimus) a re-allocation every
+`policy.interval_s`. Randomness comes from the trace, a hash of (seed, job, tick) and generators seeded
+by (seed, node), so a run is deterministic under its seed and the policies face the same faults.
+Per event only the job concerned is touched (indexes of waiting jobs by cores, of jobs by node, a
+counter of ended jobs): docs/dlrover_rm.md#engine-and-scale.
 """
 from __future__ import annotations
 
+import bisect
+import hashlib
 import heapq
 import math
 from dataclasses import dataclass, field, replace
@@ -23,7 +27,7 @@ from recforge.elastic.simulate.policies import SimPolicy
 from recforge.elastic.simulate.trace import TraceJob
 
 GiB = float(1 << 30)
-ARRIVE, TICK, RESUME, FINISH, OOM, EVICT, PENDING_CHECK = range(7)
+ARRIVE, TICK, RESUME, FINISH, OOM, EVICT, PENDING_CHECK, REALLOC = range(8)
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,9 @@ class SimParams:
     noise: float = 0.05               # relative noise of a throughput measurement
     horizon_s: float = 60 * 86400.0
     limit_factor: float = 1.5         # a job's resource limits: this x its request (at least one node)
+    max_failed_placements: int = 64   # a scheduling pass stops after this many jobs that did not fit (the rest
+                                      # wait for the next event; on a big fragmented cluster every finish would
+                                      # otherwise retry thousands of waiting jobs)
     eviction_per_node_h: float = 0.0  # node evictions per node-hour (the trace's value is passed in)
 
 
@@ -63,6 +70,7 @@ class JobRun:
     straggling: bool = False
     straggler_fixed: bool = False
     pending_since: float | None = None
+    pend_key: tuple | None = None  # (cores requested, job id) while in the index of waiting jobs
     start: float | None = None
     finish: float | None = None
     ticks: int = 0
@@ -82,10 +90,14 @@ class Simulation:
         self.seq = 0
         self.now = 0.0
         self.runs: dict[int, JobRun] = {}
-        self.pending: list[int] = []
+        self.pending: list[tuple[float, int]] = []  # waiting jobs by (cores requested, job id): bisect finds what fits
         self.acc = {"alloc_cpu_s": 0.0, "used_cpu_s": 0.0, "alloc_mem_s": 0.0, "used_mem_s": 0.0}
         self.decisions: dict[str, int] = {}
         self._by_id = {j.job_id: j for j in trace}
+        self.on_node: dict[int, set[int]] = {}  # node -> jobs with a pod on it (evictions touch only those)
+        self.n_ended = 0                          # jobs done or failed (the run ends when all have)
+        self.live: dict[int, None] = {}           # jobs arrived and not ended, in arrival order
+        self.events = 0
 
     # ---- event queue ----------------------------------------------------------------------
     def push(self, t: float, kind: int, key: int, version: int = 0) -> None:
@@ -97,18 +109,24 @@ class Simulation:
             self.push(j.arrival_s, ARRIVE, j.job_id)
         self._schedule_evictions()
         handlers = {ARRIVE: self._arrive, TICK: self._tick, RESUME: self._resume, FINISH: self._finish,
-                    OOM: self._oom, EVICT: self._evict, PENDING_CHECK: self._pending_check}
-        while self.heap:
-            t, _, kind, key, version = heapq.heappop(self.heap)
+                    OOM: self._oom, EVICT: self._evict, PENDING_CHECK: self._pending_check, REALLOC: self._realloc}
+        interval = self.policy.interval_s
+        if interval:
+            self.push(interval, REALLOC, -1)
+        n = len(self.trace)
+        heap, pop = self.heap, heapq.heappop
+        while heap:
+            t, _, kind, key, version = pop(heap)
             if t > self.params.horizon_s:
                 break
-            if kind not in (ARRIVE, EVICT):
+            if kind not in (ARRIVE, EVICT, REALLOC):
                 r = self.runs.get(key)
                 if r is None or r.version != version or r.status in ("done", "failed"):
                     continue
             self.now = t
+            self.events += 1
             handlers[kind](key, t)
-            if kind in (FINISH, OOM, PENDING_CHECK, EVICT) and self._all_arrived_and_finished():
+            if self.n_ended == n:
                 break
         for r in self.runs.values():
             if r.status in ("running", "pending"):
@@ -116,8 +134,18 @@ class Simulation:
                 r.status, r.fail_reason = "failed", "horizon"
         return self._result()
 
-    def _all_arrived_and_finished(self) -> bool:
-        return len(self.runs) == len(self.trace) and all(r.status in ("done", "failed") for r in self.runs.values())
+    def _end(self, r: JobRun, status: str, t: float, why: str = "") -> None:
+        r.status, r.fail_reason, r.finish = status, why, t
+        self.n_ended += 1
+        self.live.pop(r.job.job_id, None)
+
+    def _index(self, r: JobRun) -> None:
+        for n in set(r.where or ()):
+            self.on_node.setdefault(int(n), set()).add(r.job.job_id)
+
+    def _unindex(self, r: JobRun) -> None:
+        for n in set(r.where or ()):
+            self.on_node.get(int(n), set()).discard(r.job.job_id)
 
     # ---- bookkeeping ----------------------------------------------------------------------
     def _advance(self, r: JobRun, t: float) -> None:
@@ -136,7 +164,14 @@ class Simulation:
                 + [(plan.cpu_per_server, plan.memory_per_server)] * plan.servers)
 
     def _truth(self, r: JobRun, plan: PodPlan | None = None) -> tuple[float, float, float, float]:
+        """(samples/s, cores busy, memory in use, memory of the most loaded server / worker)."""
         p, j = plan or r.plan, r.job
+        if j.shape == "torchrec":
+            sl = j.straggler[1] if r.straggling and j.straggler else 1.0
+            rate = truth.tr_throughput(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker, sl)
+            cpu = truth.tr_cpu_used(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker, sl)
+            need = truth.tr_worker_memory(j.worker_mem, j.emb_bytes, p.workers, j.emb_growth_per_sample * r.done)
+            return rate, cpu, min(need, p.memory_per_worker) * p.workers, need
         slow = j.straggler[1] if r.straggling and j.straggler else None
         rate = truth.throughput(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker, p.servers, p.cpu_per_server,
                                 j.hot_server, slow)
@@ -158,21 +193,42 @@ class Simulation:
             return
         r.rate, r.used_cpu, r.used_mem = rate, cpu, mem
         j, p = r.job, r.plan
-        if j.worker_mem > p.memory_per_worker:
+        if self._worker_oom(r):
             self.push(t + 60.0, OOM, j.job_id, r.version)  # dies as soon as it loads its first batches
             return
         left = j.total_samples - r.done
         self.push(t + left / rate if rate > 0 else math.inf, FINISH, j.job_id, r.version)
-        oom_at = truth.samples_until_server_oom(j.emb_bytes, j.emb_growth_per_sample, p.servers, j.hot_server,
-                                                p.memory_per_server)
+        if j.shape == "torchrec":  # the most loaded worker's shard grows until it passes the pod's memory
+            g = j.emb_growth_per_sample * truth.SHARD_SKEW / p.workers
+            room = p.memory_per_worker - truth.tr_worker_memory(j.worker_mem, j.emb_bytes, p.workers)
+            oom_at = math.inf if g <= 0 else room / g
+        else:
+            oom_at = truth.samples_until_server_oom(j.emb_bytes, j.emb_growth_per_sample, p.servers, j.hot_server,
+                                                    p.memory_per_server)
         if oom_at < j.total_samples:
             self.push(t + max(oom_at - r.done, 0.0) / rate, OOM, j.job_id, r.version)
         next_tick = t + self.params.tick_s
         self.push(next_tick, TICK, j.job_id, r.version)
 
+    def _worker_oom(self, r: JobRun) -> bool:
+        j, p = r.job, r.plan
+        if j.shape == "torchrec":
+            need = truth.tr_worker_memory(j.worker_mem, j.emb_bytes, p.workers, j.emb_growth_per_sample * r.done)
+            return need > p.memory_per_worker
+        return j.worker_mem > p.memory_per_worker
+
+    def _noise(self, r: JobRun) -> float:
+        """exp(N(0, noise)), a function of (seed, job, tick) only: every policy sees the same noise (Box-Muller
+        on a hash: a numpy generator per observation cost more than the rest of the event)."""
+        h = hashlib.blake2b(f"{self.seed},{r.job.job_id},{r.ticks}".encode(), digest_size=8).digest()
+        u1 = (int.from_bytes(h[:4], "little") + 0.5) / 2**32
+        u2 = int.from_bytes(h[4:], "little") / 2**32
+        return math.exp(self.params.noise * math.sqrt(-2.0 * math.log(u1)) * math.cos(2 * math.pi * u2))
+
     def _observe(self, r: JobRun, t: float, oom_w=(), oom_s=()) -> Observation:
         j, p = r.job, r.plan
-        rng = np.random.default_rng((self.seed, j.job_id, r.ticks))
+        if j.shape == "torchrec":
+            return self._observe_tr(r, t, oom_w)
         rate, cpu, _, hot_mem = self._truth(r)
         step_t = truth.step_time(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker, p.servers,
                                  p.cpu_per_server, j.hot_server)
@@ -187,12 +243,26 @@ class Simulation:
         loads = [j.hot_server] + [1.0] * (p.servers - 1)
         smem = truth.server_memory_need(j.emb_bytes, r.done, j.emb_growth_per_sample, p.servers, 1.0)
         per_step = p.batch_size  # Observation.step counts the whole job's batches
-        return Observation(time_s=t, plan=p, samples_per_s=rate * float(np.exp(rng.normal(0, self.params.noise))),
+        return Observation(time_s=t, plan=p, samples_per_s=rate * self._noise(r),
                            step=int(r.done / per_step), worker_step_s=steps, worker_cpu_util=[wu] * min(p.workers, 4),
                            worker_memory=[min(j.worker_mem, p.memory_per_worker)] * min(p.workers, 4),
                            server_memory=[hot_mem] + [smem] * min(p.servers - 1, 3), server_cpu_util=utils,
                            shard_load=loads, oom_workers=oom_w, oom_servers=oom_s,
                            total_steps=j.total_samples / per_step)
+
+    def _observe_tr(self, r: JobRun, t: float, oom_w=()) -> Observation:
+        j, p = r.job, r.plan
+        rate, cpu, _, need = self._truth(r)
+        step_t = truth.tr_step_time(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker)
+        n = min(p.workers, 8)  # a profiler reports a few workers; the straggler (when any) is worker 0
+        steps = [step_t] * n
+        if r.straggling and j.straggler:  # its own compute is slow; the others wait in the collectives
+            steps[0] = truth.tr_step_time(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker, j.straggler[1])
+        util = min(1.0, cpu / (p.workers * p.cpu_per_worker))
+        return Observation(time_s=t, plan=p, samples_per_s=rate * self._noise(r), step=int(r.done / p.batch_size),
+                           worker_step_s=steps, worker_cpu_util=[util] * min(n, 4),
+                           worker_memory=[min(need, p.memory_per_worker)] * min(n, 4), oom_workers=oom_w,
+                           total_steps=j.total_samples / p.batch_size)
 
     def _record(self, r: JobRun, events: list[Event]) -> None:
         for e in events:
@@ -207,6 +277,7 @@ class Simulation:
         if where is None:
             return False
         r.pods, r.where = pods, where
+        self._index(r)
         r.status = "running"
         r.start = t if r.start is None else r.start
         r.pending_since = None
@@ -216,16 +287,50 @@ class Simulation:
         self._set_rate(r, t)
         return True
 
+    def _pend(self, r: JobRun) -> None:
+        self._unpend(r)
+        r.pend_key = (r.plan.cpu_total, r.job.job_id)
+        bisect.insort(self.pending, r.pend_key)
+
+    def _unpend(self, r: JobRun) -> None:
+        if r.pend_key is not None:
+            i = bisect.bisect_left(self.pending, r.pend_key)
+            if i < len(self.pending) and self.pending[i] == r.pend_key:
+                self.pending.pop(i)
+            r.pend_key = None
+
     def _schedule_pending(self, t: float) -> None:
-        still = []
-        for jid in self.pending:
+        """Start what now fits, in arrival order (a job that does not fit does not block smaller ones). Only jobs
+        asking for at most the free cores are tried: the index by cores finds them without a scan of all waiting."""
+        cl = self.cluster
+        n = bisect.bisect_right(self.pending, (cl.free_cpu_total + 1e-6, math.inf))
+        if not n:
+            return
+        big_c, big_m = float(cl.free_cpu.max()), float(cl.free_mem.max())  # the roomiest node's free CPU / memory
+        failed: dict[tuple, float] = {}  # pod shape -> fewest pods of it that did not fit: more will not either
+        misses = 0
+        for _, jid in sorted(self.pending[:n], key=lambda k: k[1]):
             r = self.runs[jid]
-            if r.status == "pending" and not self._try_start(r, t):
-                still.append(jid)
-        self.pending = [jid for jid in still if self.runs[jid].status == "pending"]
+            p = r.plan
+            if r.status != "pending":
+                self._unpend(r)
+                continue
+            shape = (p.cpu_per_worker, p.memory_per_worker, p.servers, p.cpu_per_server, p.memory_per_server)
+            if (p.cpu_total > cl.free_cpu_total + 1e-6 or p.cpu_per_worker > big_c + 1e-9
+                    or p.memory_per_worker > big_m + 1e-3 or p.workers >= failed.get(shape, math.inf)):
+                continue
+            if self._try_start(r, t):
+                self._unpend(r)
+                big_c, big_m = float(cl.free_cpu.max()), float(cl.free_mem.max())
+            else:
+                failed[shape] = min(failed.get(shape, math.inf), p.workers)
+                misses += 1
+                if misses >= self.params.max_failed_placements:
+                    break
 
     def _release(self, r: JobRun) -> None:
         if r.where is not None:
+            self._unindex(r)
             self.cluster.release(r.pods, r.where)
         r.pods, r.where = [], None
 
@@ -238,13 +343,14 @@ class Simulation:
                            max_cpu_per_worker=spec.cpu_per_node, max_cpu_per_server=spec.cpu_per_node,
                            max_memory_per_pod=spec.memory_per_node * 0.95)
         desc = JobDescription(dataset=j.scenario, model_family=j.family, requested=req, total_samples=j.total_samples,
-                              parameter_server=True)
+                              parameter_server=j.shape != "torchrec", table_bytes=j.tables)
         plan, events = self.policy.initial_plan(j, desc, limits)
         r = JobRun(job=j, plan=plan, status="pending", pending_since=t, t_last=t)
         self.runs[jid] = r
+        self.live[jid] = None
         self._record(r, events)
         if not self._try_start(r, t):
-            self.pending.append(jid)
+            self._pend(r)
             self.push(t + 900.0, PENDING_CHECK, jid, r.version)
             self.push(t + self.params.abandon_pending_s, PENDING_CHECK, jid, r.version)
 
@@ -254,7 +360,8 @@ class Simulation:
             return
         waited = t - (r.pending_since or t)
         if waited >= self.params.abandon_pending_s - 1e-6:
-            r.status, r.fail_reason, r.finish = "failed", "pending too long (user gave up)", t
+            self._end(r, "failed", t, "pending too long (user gave up)")
+            self._unpend(r)
             return
         events = self.policy.on_pending(r.job, Observation(time_s=t, plan=r.plan, pending_s=waited))
         self._record(r, events)
@@ -263,9 +370,39 @@ class Simulation:
             r.plan = PodPlan.from_dict(new_plan)
             r.plan_changes += 1
             if self._try_start(r, t):
-                self.pending.remove(jid)
+                self._unpend(r)
                 return
+            self._pend(r)  # waits with the new plan
         self.push(t + 900.0, PENDING_CHECK, jid, r.version)
+
+    # ---- cluster-wide allocation (Optimus) -----------------------------------------------------
+    def _realloc(self, _key: int, t: float) -> None:
+        """The policy re-divides the cluster among the jobs that arrived and have not ended: a worker count per job
+        (0: wait). Shrinks first (they free room), then growths, then starts; a move that does not fit is skipped."""
+        active = [self.runs[jid] for jid in self.live]
+        if active:
+            for r in active:
+                if r.status == "running":
+                    self._advance(r, t)
+            target = self.policy.allocate(active, self.cluster, t)
+            order = sorted(active, key=lambda r: (target.get(r.job.job_id, r.plan.workers) - r.plan.workers,
+                                                  r.job.job_id))
+            for r in order:
+                w = target.get(r.job.job_id, r.plan.workers)
+                if w == r.plan.workers or w < 1:
+                    continue
+                new = replace(r.plan, workers=int(w))
+                if r.status == "running":
+                    if self._resize(r, new, t):
+                        r.plan_changes += 1
+                        self._set_rate(r, t)
+                elif r.status == "pending":
+                    r.plan = new
+                    r.plan_changes += 1
+                    self._pend(r)
+            self._schedule_pending(t)
+        if self.n_ended < len(self.trace) and self.policy.interval_s:
+            self.push(t + self.policy.interval_s, REALLOC, -1)
 
     # ---- running jobs ---------------------------------------------------------------------
     def _resume(self, jid: int, t: float) -> None:
@@ -283,9 +420,14 @@ class Simulation:
         if j.straggler and not r.straggling and not r.straggler_fixed and r.done >= j.straggler[0] * j.total_samples:
             r.straggling = True
         r.peak_server_mem = max(r.peak_server_mem, self._truth(r)[3])
-        events = self.policy.on_tick(j, self._observe(r, t))
-        self._record(r, events)
-        self._apply(r, events, t)
+        if j.loss and self.policy.wants_loss:  # the training loss the job logs (1% noise)
+            b0, b1, b2, _ = j.loss
+            k = r.done / 1e6
+            self.policy.on_loss(j, k, (1.0 / (b0 * k + b1) + b2) * (1 + 0.01 * (self._noise(r) - 1)))
+        if self.policy.observes:  # (building the report is a third of a tick; static never reads it)
+            events = self.policy.on_tick(j, self._observe(r, t))
+            self._record(r, events)
+            self._apply(r, events, t)
         self._set_rate(r, t)
 
     def _apply(self, r: JobRun, events: list[Event], t: float) -> None:
@@ -306,13 +448,15 @@ class Simulation:
         where = self.cluster.place(pods)
         if where is None:  # no room: keep the old pods exactly where they were
             assert old_where is not None  # only placed (running) jobs are resized
-            for (c, m), n in zip(old_pods, old_where, strict=True):
-                self.cluster.free_cpu[n] -= c
-                self.cluster.free_mem[n] -= m
+            self.cluster.take(old_pods, old_where)
             r.pods, r.where = old_pods, old_where
+            self._index(r)
             return False
-        only_workers = replace(new, workers=r.plan.workers) == r.plan
+        # an async PS job adds / removes workers while the others train; a synchronous TorchRec job reshards its
+        # embeddings: checkpoint, stop, relaunch at the new plan
+        only_workers = replace(new, workers=r.plan.workers) == r.plan and r.job.shape != "torchrec"
         r.pods, r.where, r.plan = pods, where, new
+        self._index(r)
         r.resume_at = t + (self.params.resize_workers_s if only_workers else self.params.resize_pods_s)
         self._schedule_pending(t)  # a shrink may make room
         return True
@@ -326,7 +470,7 @@ class Simulation:
         r.done = r.ckpt
         if r.restarts > self.params.max_restarts:
             self._release(r)
-            r.status, r.fail_reason, r.finish = "failed", why, t
+            self._end(r, "failed", t, why)
             self._schedule_pending(t)
             return
         r.resume_at = t + self.params.restart_s
@@ -335,7 +479,7 @@ class Simulation:
         r = self.runs[jid]
         self._advance(r, t)
         j = r.job
-        worker = j.worker_mem > r.plan.memory_per_worker
+        worker = self._worker_oom(r)
         obs = self._observe(r, t, oom_w=[0] if worker else [], oom_s=[] if worker else [0])
         events = self.policy.on_oom(j, obs)
         self._record(r, events)
@@ -343,7 +487,7 @@ class Simulation:
         r.done = r.ckpt
         if r.restarts > self.params.max_restarts:
             self._release(r)
-            r.status, r.fail_reason, r.finish = "failed", "out of memory", t
+            self._end(r, "failed", t, "out of memory")
             self._schedule_pending(t)
             return
         r.resume_at = t + self.params.restart_s
@@ -357,7 +501,7 @@ class Simulation:
         r = self.runs[jid]
         self._advance(r, t)
         r.done = r.job.total_samples
-        r.status, r.finish = "done", t
+        self._end(r, "done", t)
         self._release(r)
         self.policy.on_finish(r.job, r.plan, {"time": t, "rate": r.rate, "peak_worker_mem": r.job.worker_mem,
                                               "peak_server_mem": r.peak_server_mem or self._truth(r)[3]})
@@ -378,8 +522,9 @@ class Simulation:
                 self.push(t, EVICT, n)
 
     def _evict(self, node: int, t: float) -> None:
-        for r in list(self.runs.values()):
-            if r.status == "running" and r.where is not None and node in r.where:
+        for jid in sorted(self.on_node.get(node, ())):
+            r = self.runs[jid]
+            if r.status == "running" and r.where is not None:
                 self._advance(r, t)
                 self._fail(r, t, "evicted too often", self.policy.elastic_failover)
                 if r.status == "running":

@@ -1,16 +1,26 @@
 """The policies the simulator compares; each sees only what a job's profiler would report.
 
 - `static`: the user's request, never changed; an OOM or eviction restarts the job with the same plan.
-- `optimus`: Optimus-style, stage 2 only: an online NNLS model of the job (from a generic prior, refit
-  on the job's own samples) and greedy marginal-gain scaling; no warm start, no instability handling.
+- `optimus`: Optimus's own allocation (Peng et al., EuroSys'18): every `interval_s` it fits each job's
+  convergence curve (loss vs samples) and throughput model (online NNLS from a generic prior), estimates
+  each job's remaining time and gives the cluster away one worker at a time to the job whose remaining
+  time drops most per unit of its dominant resource, until the cluster is full (`OptimusAllocator`).
+  Pods keep the user's size; no warm start, no instability handling. It shares only the model fitting
+  utilities with DLRover-RM, not its search. (`optimus-stage2`: the former stand-in, DLRover-RM's stage 2
+  with right-sizing off.)
 - `dlrover`: DLRover-RM: stage 1 from the history of the job's scenario (filled as jobs finish), stage 2
   as above but from the warm-start model, stage 3 (stragglers, hot servers, memory, pending), and
   elastic failover (an evicted pod is relaunched alone, without restarting the job).
-All use the real `recforge.elastic.optimizer` code.
+DLRover-RM uses the real `recforge.elastic.optimizer` code.
 """
 from __future__ import annotations
 
+import heapq
+import math
+import statistics
 from dataclasses import replace
+
+import numpy as np
 
 from recforge.elastic.optimizer import (
     PS_TERMS,
@@ -24,20 +34,34 @@ from recforge.elastic.optimizer import (
     OptimizerConfig,
     PodPlan,
     RuntimeStage,
+    Sample,
     ThroughputModel,
+    embedding_shard_bytes,
     warm_start,
 )
+from recforge.elastic.optimizer.models.throughput_model import OnlineThroughputModel
 
 GiB = float(1 << 30)
 
 # A generic prior for PS jobs: an engineer's guess of a "typical DLRM", deliberately not the truth
 # (each coefficient is 0.5x-2x off the trace's base values).
 GENERIC_PRIOR = ThroughputModel(PS_TERMS, (0.04, 2e-4, 1e-4, 0.001, 0.002, 0.001), meta={"source": "generic prior"})
+# The same for TorchRec-shaped jobs, in the worker-only form of the real trainer's model (const, B/cpu, log2 w):
+# a guess 2x off the trace's typical level and 1.5x off its collective cost (truth.py, trace.TR_FAMILIES).
+TR_TERMS = ("const", "b_per_cpu", "log_w")
+GENERIC_TR_PRIOR = ThroughputModel(TR_TERMS, (0.03, 1.5e-3, 0.04), meta={"source": "generic prior (worker-only)"})
+
+
+def prior_for(job) -> ThroughputModel:
+    return GENERIC_TR_PRIOR if getattr(job, "shape", "ps") == "torchrec" else GENERIC_PRIOR
 
 
 class SimPolicy:
     name = "base"
     elastic_failover = False
+    interval_s: float | None = None  # a cluster-wide policy re-plans every interval_s (`allocate`)
+    observes = True                  # it reads the profiler's reports (`on_tick`); static does not
+    wants_loss = False               # it reads the jobs' training loss (`on_loss`)
 
     def initial_plan(self, job, desc: JobDescription, limits: JobLimits) -> tuple[PodPlan, list[Event]]:
         return desc.requested, []
@@ -54,20 +78,29 @@ class SimPolicy:
     def on_finish(self, job, plan: PodPlan, state) -> None:
         pass
 
+    def on_loss(self, job, k: float, loss: float) -> None:
+        pass
+
+    def allocate(self, runs, cluster, t: float) -> dict[int, int]:
+        """Workers per job id for the jobs `runs` (cluster-wide policies only); {}: no change."""
+        return {}
+
 
 class StaticPolicySim(SimPolicy):
     name = "static"
+    observes = False
 
 
-class OptimusPolicySim(SimPolicy):
-    name = "optimus"
+class OptimusStage2Sim(SimPolicy):
+    """The former stand-in for Optimus: DLRover-RM's stage 2 search with right-sizing off."""
+    name = "optimus-stage2"
 
     def __init__(self, config: OptimizerConfig = OptimizerConfig()) -> None:
         self.config = replace(config, rightsize=False)  # Optimus only follows its throughput model
         self.stages: dict[int, RuntimeStage] = {}
 
     def initial_plan(self, job, desc, limits):
-        self.stages[job.job_id] = RuntimeStage(desc, limits, self.config, GENERIC_PRIOR)
+        self.stages[job.job_id] = RuntimeStage(desc, limits, self.config, prior_for(job))
         return desc.requested, []
 
     def on_tick(self, job, obs):
@@ -93,10 +126,10 @@ class DLRoverPolicySim(SimPolicy):
                                                              ("-nofailover", failover)) if not on)
 
     def initial_plan(self, job, desc, limits):
-        ws = warm_start(desc, self.history if self.warm else None, limits, self.config, GENERIC_PRIOR)
+        ws = warm_start(desc, self.history if self.warm else None, limits, self.config, prior_for(job))
         for e in ws.events:
             e.time_s = job.arrival_s
-        self.runtime[job.job_id] = RuntimeStage(desc, limits, self.config, ws.prior or GENERIC_PRIOR, None)
+        self.runtime[job.job_id] = RuntimeStage(desc, limits, self.config, ws.prior or prior_for(job), None)
         self.stage3[job.job_id] = InstabilityStage(desc, limits, self.config, None)
         return ws.plan, ws.events
 
@@ -123,11 +156,212 @@ class DLRoverPolicySim(SimPolicy):
                                    extra={"peak_server_memory": state.get("peak_server_mem")}))
 
 
+# ---- Optimus (Peng et al., EuroSys'18) ---------------------------------------------------------------------------
+def fit_convergence(k: np.ndarray, loss: np.ndarray, grid: int = 32) -> tuple[float, float, float] | None:
+    """Optimus's convergence model l(k) = 1/(b0*k + b1) + b2 (b >= 0) fitted to (k, loss) by least squares:
+    for each b2 on a grid below the smallest loss, 1/(l - b2) is linear in k (a least-squares line); the b2 whose
+    curve has the smallest squared loss error wins. None with fewer than 3 points or no decreasing fit."""
+    k, loss = np.asarray(k, float), np.asarray(loss, float)
+    if len(k) < 3 or np.ptp(k) <= 0:
+        return None
+    b2s = np.linspace(0.0, float(loss.min()) * 0.995, grid)
+    y = 1.0 / (loss[None, :] - b2s[:, None])                    # grid x points
+    km, ym = k.mean(), y.mean(axis=1)
+    b0 = ((k - km)[None, :] * (y - ym[:, None])).sum(axis=1) / ((k - km) ** 2).sum()
+    b0 = np.maximum(b0, 0.0)
+    b1 = np.maximum(ym - b0 * km, 1e-9)
+    err = ((1.0 / (b0[:, None] * k[None, :] + b1[:, None]) + b2s[:, None] - loss[None, :]) ** 2).sum(axis=1)
+    i = int(np.argmin(err))
+    if b0[i] <= 0:
+        return None
+    return float(b0[i]), float(b1[i]), float(b2s[i])
+
+
+def steps_to_target(fit: tuple[float, float, float], target: float) -> float:
+    """k at which the fitted curve reaches `target` (inf when it never does)."""
+    b0, b1, b2 = fit
+    if target <= b2:
+        return math.inf
+    return max((1.0 / (target - b2) - b1) / b0, 0.0)
+
+
+class _OptimusJob:
+    def __init__(self, job, desc: JobDescription, limits: JobLimits) -> None:
+        self.job, self.limits = job, limits
+        req = desc.requested
+        self.cpu, self.mem = req.cpu_per_worker, req.memory_per_worker  # Optimus keeps the user's pod size
+        self.model = OnlineThroughputModel(TR_TERMS, GENERIC_TR_PRIOR, min_points=3)
+        self.refit_at = -1
+        self.k: list[float] = []
+        self.loss: list[float] = []
+        self.target = job.loss[3] if job.loss else math.nan  # the user's stopping criterion
+        self.max_w = int(max(1, min(limits.max_workers, limits.cpu // max(self.cpu, 1e-9))))
+        # Optimus has no memory model: until a worker's memory was measured, the fewest workers are the user's;
+        # then the fewest whose measured base + embedding shard (+20%) fits the pod (`learn_memory`)
+        self.tables = list(desc.table_bytes)
+        self.min_w = min(req.workers, self.max_w)
+        self.memory_known = not self.tables
+        self.fit_n = -1
+        self.fit: tuple[float, float, float] | None = None
+
+    def learn_memory(self, workers: int, peak: float) -> None:
+        if self.memory_known or not self.tables:
+            return
+        self.memory_known = True
+        base = max(peak - embedding_shard_bytes(self.tables, workers), 0.0)
+        w = 1
+        while w < self.max_w and base + 1.2 * embedding_shard_bytes(self.tables, w) > 0.9 * self.mem:
+            w += 1
+        self.min_w = w
+
+
+class OptimusAllocator:
+    """Optimus's greedy: every job gets its minimum, then one worker at a time goes to the job whose estimated
+    remaining time falls most per unit of dominant resource share, while the cluster has room."""
+
+    @staticmethod
+    def allocate(jobs: list[dict], cpu_total: float, mem_total: float) -> dict[int, int]:
+        """jobs: dicts with id, min_w, max_w, cpu, mem, remaining (samples), thr (samples/s at w = index + 1:
+        array of max_w values). Returns workers per job id (0: no room for its minimum)."""
+        free_c, free_m = cpu_total, mem_total
+        out: dict[int, int] = {}
+        heap: list[tuple[float, int, int]] = []
+        for i, j in enumerate(jobs):  # in priority order (running first, then by arrival)
+            need_c, need_m = j["min_w"] * j["cpu"], j["min_w"] * j["mem"]
+            if need_c > free_c + 1e-9 or need_m > free_m + 1e-3:
+                out[j["id"]] = 0
+                continue
+            free_c, free_m = free_c - need_c, free_m - need_m
+            out[j["id"]] = j["min_w"]
+            heapq.heappush(heap, (-OptimusAllocator.gain(j, j["min_w"], cpu_total, mem_total), i, j["min_w"]))
+        while heap:
+            neg, i, w = heapq.heappop(heap)
+            j = jobs[i]
+            if -neg <= 0:
+                break  # no job gains from another worker
+            if j["cpu"] > free_c + 1e-9 or j["mem"] > free_m + 1e-3:
+                continue  # this job's worker does not fit; a smaller one may
+            free_c, free_m = free_c - j["cpu"], free_m - j["mem"]
+            out[j["id"]] = w + 1
+            if w + 1 < j["max_w"]:
+                heapq.heappush(heap, (-OptimusAllocator.gain(j, w + 1, cpu_total, mem_total), i, w + 1))
+        return out
+
+    @staticmethod
+    def gain(j: dict, w: int, cpu_total: float, mem_total: float) -> float:
+        """Reduction of the remaining time from w to w+1 workers, per unit of the worker's dominant share."""
+        if w >= j["max_w"]:
+            return 0.0
+        thr = j["thr"]
+        now, nxt = thr[w - 1], thr[w]
+        if not (now > 0 and nxt > 0):
+            return 0.0
+        share = max(j["cpu"] / cpu_total, j["mem"] / mem_total)
+        return j["remaining"] * (1.0 / now - 1.0 / nxt) / share
+
+
+class OptimusPolicySim(SimPolicy):
+    name = "optimus"
+    interval_s: float | None = 600.0  # Optimus re-plans every 10 minutes
+    wants_loss = True
+    refit_every = 3           # refit a job's throughput model after this many new samples (or a new size)
+    min_change_s = 240.0      # ours: resize a running job only when its predicted remaining time moves by more
+                              # (two checkpoint-stop-relaunch pauses); every 10 min otherwise costs 2 min of 10
+
+    def __init__(self) -> None:
+        self.jobs: dict[int, _OptimusJob] = {}
+        self.finished_samples: list[float] = []
+
+    def initial_plan(self, job, desc, limits):
+        st = _OptimusJob(job, desc, limits)
+        self.jobs[job.job_id] = st
+        return replace(desc.requested, workers=st.min_w), []
+
+    def on_tick(self, job, obs):
+        st = self.jobs.get(job.job_id)
+        if st is not None and obs.samples_per_s:
+            st.model.add(Sample(obs.plan.allocation(), float(obs.samples_per_s)), refit=False)
+            if obs.worker_memory:
+                st.learn_memory(obs.plan.workers, max(obs.worker_memory))
+        return []
+
+    def on_loss(self, job, k: float, loss: float) -> None:
+        st = self.jobs.get(job.job_id)
+        if st is not None:
+            st.k.append(k)
+            st.loss.append(loss)
+
+    def on_oom(self, job, obs):
+        st = self.jobs.get(job.job_id)
+        if st is not None:  # its shard did not fit: spread the tables over twice the workers from now on
+            st.memory_known = True
+            st.min_w = min(st.max_w, max(st.min_w * 2, obs.plan.workers * 2))
+        return []
+
+    def on_finish(self, job, plan, state):
+        self.jobs.pop(job.job_id, None)
+        self.finished_samples.append(job.total_samples)
+
+    def remaining_samples(self, st: _OptimusJob, done: float) -> float:
+        if st.fit_n != len(st.k):  # refit the curve only when the job logged new losses
+            st.fit_n = len(st.k)
+            st.fit = fit_convergence(np.array(st.k[-30:]), np.array(st.loss[-30:]))
+        fit = st.fit
+        if fit is not None and math.isfinite(st.target):
+            k_end = steps_to_target(fit, st.target) * 1e6
+            if math.isfinite(k_end):
+                return max(k_end - done, 0.01 * max(done, 1.0))
+        # before the curve can be fitted: as long again as it ran, or what finished jobs took
+        typical = statistics.median(self.finished_samples[-200:]) if self.finished_samples else 1e8
+        return max(done, typical - done, 0.1 * typical)
+
+    def allocate(self, runs, cluster, t: float) -> dict[int, int]:
+        runs = sorted(runs, key=lambda r: (r.status != "running", r.job.arrival_s, r.job.job_id))
+        rows = []
+        for r in runs:
+            st = self.jobs.get(r.job.job_id)
+            if st is None:
+                continue
+            m = st.model
+            if m.samples and (len(m.samples) - st.refit_at >= self.refit_every or st.refit_at < 0):
+                try:
+                    m.refit()
+                except ValueError:  # ModelFitError: keep the previous model
+                    pass
+                st.refit_at = len(m.samples)
+            rows.append((r, st, m.model or GENERIC_TR_PRIOR))
+        if not rows:
+            return {}
+        # every job's throughput at 1..max_w workers in one vectorised evaluation of the (const, B/cpu, log2 w) form
+        wmax = max(st.max_w for _, st, _ in rows)
+        ws = np.arange(1, wmax + 1, dtype=float)
+        coef = np.array([[dict(zip(mod.terms, mod.coef, strict=True)).get(k, 0.0) for k in TR_TERMS]
+                         for _, _, mod in rows])
+        b = np.array([r.plan.batch_size for r, _, _ in rows], float)
+        c = np.array([st.cpu for _, st, _ in rows], float)
+        step = coef[:, :1] + coef[:, 1:2] * (b / c)[:, None] + coef[:, 2:3] * np.log2(ws)[None, :]
+        thr = ws[None, :] * b[:, None] / np.maximum(step, 1e-12)
+        jobs = [{"id": r.job.job_id, "min_w": st.min_w, "max_w": st.max_w, "cpu": st.cpu, "mem": st.mem,
+                 "remaining": self.remaining_samples(st, r.done), "thr": thr[i]}
+                for i, (r, st, _) in enumerate(rows)]
+        out = OptimusAllocator.allocate(jobs, cluster.capacity_cpu, cluster.capacity_memory)
+        for (r, st, _), j in zip(rows, jobs, strict=True):
+            w_new, w_old = out[j["id"]], r.plan.workers
+            if r.status != "running" or w_new == w_old or w_new < 1 or w_old > j["max_w"] or w_old < st.min_w:
+                continue
+            t_old, t_new = j["remaining"] / j["thr"][w_old - 1], j["remaining"] / j["thr"][w_new - 1]
+            if abs(t_old - t_new) < self.min_change_s:
+                out[j["id"]] = w_old
+        return out
+
+
 def make_policy(name: str, config: OptimizerConfig = OptimizerConfig()) -> SimPolicy:
     if name == "static":
         return StaticPolicySim()
     if name == "optimus":
-        return OptimusPolicySim(config)
+        return OptimusPolicySim()
+    if name == "optimus-stage2":
+        return OptimusStage2Sim(config)
     if name == "dlrover":
         return DLRoverPolicySim(config)
     if name.startswith("dlrover-"):
@@ -138,4 +372,4 @@ def make_policy(name: str, config: OptimizerConfig = OptimizerConfig()) -> SimPo
         return DLRoverPolicySim(config, warm="nowarm" not in flags, instability="nostage3" not in flags,
                                 failover="nofailover" not in flags)
     raise ValueError(f"unknown policy {name!r}; "
-                     "choose static, optimus, dlrover (or dlrover-nowarm/-nostage3/-nofailover)")
+                     "choose static, optimus, optimus-stage2, dlrover (or dlrover-nowarm/-nostage3/-nofailover)")

@@ -13,6 +13,8 @@ base + (embeddings now) / p x hot share.
 """
 from __future__ import annotations
 
+import math
+
 GiB = float(1 << 30)
 SERVER_BASE = 1.0 * GiB
 
@@ -50,3 +52,56 @@ def samples_until_server_oom(emb0: float, growth_per_sample: float, p: int, hot:
     if room <= 0:
         return 0.0
     return float("inf") if growth_per_sample <= 0 else room / growth_per_sample
+
+
+# ---- TorchRec-shaped jobs (workers only, synchronous, sharded embeddings) --------------------------------------
+#
+#     T = a0 + a1*B/c^g + a2*log2(w)          (seconds per step; every worker processes B samples)
+#
+# a0, a1, a2: the const / b_per_cpu / log_w coefficients of the real trainer's throughput model fitted on its
+# committed profile (`trainer_coefficients`); the trace scales them per model family. A straggler slows the
+# compute of its step and, the training being synchronous, every worker waits for it. CPU in use: cores busy
+# in compute (c cores for a1*B/c^g, with g < 1 the extra cores spin), half the fixed overhead on one core;
+# nothing while waiting in collectives. Memory of a worker: base + its embedding shard (weights + optimizer
+# state; tables sharded over the workers, planner imbalance `SHARD_SKEW`) + growth.
+SHARD_SKEW = 1.05
+
+
+def tr_step_time(coef: dict, g: float, b: int, w: int, c: float, slow: float = 1.0) -> float:
+    return coef["a0"] + slow * coef["a1"] * b / c ** g + coef["a2"] * math.log2(w)
+
+
+def tr_throughput(coef: dict, g: float, b: int, w: int, c: float, slow: float = 1.0) -> float:
+    return w * b / tr_step_time(coef, g, b, w, c, slow)
+
+
+def tr_cpu_used(coef: dict, g: float, b: int, w: int, c: float, slow: float = 1.0) -> float:
+    """Cores busy on average over all workers."""
+    t = tr_step_time(coef, g, b, w, c, slow)
+    per = (coef["a1"] * b * c ** (1 - g) + 0.5 * coef["a0"]) / t
+    return min(per, c) * w
+
+
+def tr_worker_memory(base: float, emb_state_bytes: float, w: int, grown: float = 0.0) -> float:
+    """Bytes the most loaded worker needs: base + its shard of the embedding state (+ growth so far)."""
+    return base + SHARD_SKEW * (emb_state_bytes + grown) / w
+
+
+def trainer_coefficients() -> dict:
+    """(a0, a1, a2) of the real trainer: its throughput model fitted on the committed profile's points where the
+    ranks had a core each (w * threads <= host cores), with terms const, b_per_cpu, b_threads, log_w; b_threads
+    (extra threads contending on a busy 2-core host) is left out: pods on a cluster have their own cores."""
+    if not _TRAINER:
+        from recforge.elastic.optimizer.models.throughput_model import fit, load_profile  # lazy: reads a file
+
+        samples, cond = load_profile()
+        host = float((cond.get("machine") or {}).get("logical_cpus") or 2)
+        ok = [s for s in samples if s.allocation.workers * s.allocation.cpu_per_worker <= host]
+        m = fit(ok, ("const", "b_per_cpu", "b_threads", "log_w"))
+        c = dict(zip(m.terms, m.coef, strict=True))
+        _TRAINER.update({"a0": c["const"], "a1": c["b_per_cpu"], "a2": c["log_w"], "fit_mape": m.fit_mape,
+                         "points": len(ok)})
+    return dict(_TRAINER)
+
+
+_TRAINER: dict = {}

@@ -57,7 +57,7 @@ def plan_with_dlrover(store: TrackingStore, run_id: str, cfg, tables,
     (ResourcePlan, state for the train task)."""
     dl = cfg.resources.dlrover
     history = MlflowHistory(store)
-    out = pipeline_plan(cfg.resources, dataset=cfg.dataset_preset, model_family=cfg.model.arch,
+    out = pipeline_plan(cfg.resources, dataset=cfg.dataset_schema, model_family=cfg.model.arch,
                         batch_size=cfg.train.batch_size, total_rows=int(total_rows), tables=tables,
                         embedding_dim=cfg.model.embedding_dim, history=history,
                         limits=pipeline_limits(dl.max_cpu, dl.max_workers),

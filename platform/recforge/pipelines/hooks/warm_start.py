@@ -44,9 +44,14 @@ def plan_fingerprint(plan_path: str | Path) -> str:
 
 
 def optimizer_settings(cfg: PipelineConfig) -> dict[str, Any]:
-    """What the saved optimizer state depends on: its learning rates and the embedding kernel."""
+    """What the saved optimizer state depends on: the optimizers, their learning rates and the embedding kernel."""
     t = cfg.train
-    return {"embedding_lr": t.embedding_lr, "dense_lr": t.dense_lr, "fused_embeddings": t.fused_embeddings}
+    settings: dict[str, Any] = {"embedding_lr": t.embedding_lr, "dense_lr": t.dense_lr,
+                                "fused_embeddings": t.fused_embeddings}
+    if (t.embedding_optimizer, t.dense_optimizer) != ("rowwise_adagrad", "adam"):  # champions tagged before the
+        settings |= {"embedding_optimizer": t.embedding_optimizer,  # optimizers were configuration used these
+                     "dense_optimizer": t.dense_optimizer}
+    return settings
 
 
 def registration_tags(ctx: RunContext, plan: PlanOutputs, checkpoint_dir: str | Path) -> dict[str, str]:

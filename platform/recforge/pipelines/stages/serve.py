@@ -24,8 +24,10 @@ log = logging.getLogger("recforge.pipelines")
 GATE_ATTEMPTS = 3  # the champion may move under a publish (another run promoted): rescored this often
 
 
-def _holdout_inputs(ctx: RunContext, rows: int):
-    """The first `rows` held-out rows (fewer when the day has fewer), read across as many shards as needed."""
+def _holdout_inputs(ctx: RunContext, rows: int, list_columns: list[str] | None = None):
+    """The first `rows` held-out rows (fewer when the day has fewer), read across as many shards as needed, as the
+    inference model's inputs: (dense, dense_valid, sparse, sparse_valid), plus a jagged dict {"<column>": values,
+    "<column>_lengths": lengths} when `list_columns` (the multi-hot columns the plan reads) is not empty."""
     import pyarrow as pa  # lazy: pyarrow off the CLI/DAG import path
 
     from recforge.data.shards import open_manifest, read_rows  # lazy: pyarrow (as above)
@@ -43,7 +45,16 @@ def _holdout_inputs(ctx: RunContext, rows: int):
         raise ValueError(f"compile: the held-out day at {manifest_dir} has no rows to compile and check against")
     table = pa.Table.from_batches(batches).combine_chunks()
     raw = RawBatch.from_arrow(table.to_batches()[0], ctx.config.dataset())
-    return (raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid)
+    if not list_columns:
+        return (raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid)
+    jagged = {}
+    for name in list_columns:
+        col = raw.jagged[name]
+        if not bool(col.valid.all()):  # ingest quarantines rows with a null inside a list
+            raise ValueError(f"compile: held-out multi_hot column {name!r} at {manifest_dir} has null elements "
+                             f"inside lists ({int((~col.valid).sum())}); the serving input takes none: re-ingest")
+        jagged[name], jagged[name + "_lengths"] = col.values, col.lengths
+    return (raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid, jagged)
 
 
 def compile_model(ctx: RunContext) -> CompileOutputs:
@@ -55,9 +66,10 @@ def compile_model(ctx: RunContext) -> CompileOutputs:
 
         model, plan = load_trained(ctx)
         eager = InferenceModule(PreprocessModule(plan, ctx.config.dataset()), model).eval()
-        example = _holdout_inputs(ctx, 256)
+        lists = eager.preprocess.list_columns  # multi-hot columns: a jagged input (docs/recom.md#multi-hot-columns)
+        example = _holdout_inputs(ctx, 256, lists)
         compiled = recom.compile(eager.lowered(), example)
-        check_inputs = _holdout_inputs(ctx, 2048)
+        check_inputs = _holdout_inputs(ctx, 2048, lists)
         report = CompileReport.model_validate(compile_report(eager, compiled, check_inputs))
         path = w.tmp / "inference.pt2"
         compiled.save(path)

@@ -27,7 +27,7 @@ from recforge_kernels.fused import eager_impl, fused_chain
 
 # step codes: the ChainCode enum of csrc/fused_cpu.cpp
 FILL_FLOAT, FILL_ID, LOGIT, BOXCOX, CLAMP_FLOAT, CLAMP_ID, SIGRID_HASH, BUCKETIZE, MAPID, CAST_FLOAT, CAST_ID, \
-    ONEHOT_FIRST = range(12)
+    ONEHOT_FIRST, LOG1P = range(13)
 
 
 def _f32(x: float) -> float:
@@ -80,6 +80,8 @@ def _steps(f: FeaturePlan, source_kind: str, borders: list[float], table: list[i
             out.append((LOGIT, lo, hi, 0, 0))
         elif op == "boxcox":
             out.append((BOXCOX, _f32(p.lmbda), 0.0, 0, 0))
+        elif op == "log1p":
+            out.append((LOG1P, 0.0, 0.0, 0, 0))
         elif op == "clamp":
             if v.type == "id":
                 out.append((CLAMP_ID, 0.0, 0.0, int(p.lo), int(p.hi)))

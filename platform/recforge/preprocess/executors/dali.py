@@ -1,10 +1,12 @@
 """The DALI executor: the plan's ops that DALI can express, as one NVIDIA DALI pipeline; the rest on the fused
 executor, named in the log and in describe() (which the pipeline logs to MLflow), never silently.
 
-DALI expresses (exactly, NaN and +-inf included): fill_null of scalar columns, cast to float, logit, clamp,
+DALI expresses (exactly, NaN and +-inf included): fill_null of scalar columns (int64, and float64 dense columns),
+cast to float, logit, clamp,
 bucketize, sigrid_hash (in uint64 arithmetic: shifts as multiplications and floor divisions by powers of two,
 the modulus through DALI's unsigned %) and firstx of one value per row. It cannot express onehot and ngram
-(width-changing rows), mapid (no gather), boxcox (no select: a masked form turns +inf into NaN) and cast to id
+(width-changing rows), mapid (no gather), boxcox (no select: a masked form turns +inf into NaN), log1p (no log1p
+in DALI's math; log(1 + x) loses float32 digits for small x) and cast to id
 (DALI's float->int conversion saturates NaN differently); a node after a fallback node falls back too, and a
 batch with list (multi-hot) columns or no rows runs wholly on the fused executor.
 CPU pipelines run with device_id=None; device="gpu" moves the inputs to GPU 0 with .gpu() (needs a GPU).
@@ -41,6 +43,7 @@ WHY_NOT = {
     "ngram": "changes the row width",
     "mapid": "needs a gather DALI has no op for",
     "boxcox": "needs a select; DALI's masked arithmetic turns +inf into NaN",
+    "log1p": "DALI's math has no log1p (log(1 + x) loses float32 digits for small x)",
     "cast": "DALI's float -> int64 conversion differs on NaN / out of range (cast to float is expressed)",
 }
 
@@ -146,7 +149,7 @@ class DaliExecutor:
         self._hash_nodes = [n.id for n in graph.nodes if in_dali[n.id] and n.op == "sigrid_hash"]
         self._hash_params = np.array([v for i in self._hash_nodes for v in (self._salt_bits(i), self._modulus(i))],
                                      dtype=np.uint64)
-        self.pipe = self._build() if self._outputs else None
+        self._pipes: dict[torch.dtype, Any] = {}  # by the dense matrix's dtype (int64, or float64: float columns)
         self.whole_batch_fallbacks = 0
         if self.fallback:
             log.warning("dali executor, plan %s: %d of %d ops fall back to the fused executor: %s",
@@ -174,7 +177,15 @@ class DaliExecutor:
 
     # ------------------------------------------------------------------ pipeline
 
-    def _build(self):
+    def _pipe(self, dense_dtype: torch.dtype):
+        """The pipeline for raw dense matrices of `dense_dtype`, built on first use (None: nothing runs in DALI)."""
+        if not self._outputs:
+            return None
+        if dense_dtype not in self._pipes:
+            self._pipes[dense_dtype] = self._build(dense_dtype == torch.float64)
+        return self._pipes[dense_dtype]
+
+    def _build(self, float_dense=False):  # untyped, as before: DALI's stubs type device_id as int only
         import nvidia.dali.math as dmath  # lazy: DALI is optional and heavy; only a DALI pipeline build needs it
         from nvidia.dali import fn, pipeline_def, types  # lazy: as above
 
@@ -184,7 +195,8 @@ class DaliExecutor:
         @pipeline_def(batch_size=1, num_threads=self.num_threads, device_id=0 if gpu else None,
                       prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
         def pipeline():
-            raw = {k: fn.external_source(name=k, dtype=types.INT64 if k in ("dense", "sparse") else types.BOOL, ndim=2)
+            dtypes = {"dense": types.FLOAT64 if float_dense else types.INT64, "sparse": types.INT64}
+            raw = {k: fn.external_source(name=k, dtype=dtypes.get(k, types.BOOL), ndim=2)
                    for k in ("dense", "dense_valid", "sparse", "sparse_valid")}
             u64 = fn.external_source(name="u64", dtype=types.UINT64, ndim=1)
             hp = fn.external_source(name="hash_params", dtype=types.UINT64, ndim=1)
@@ -211,7 +223,9 @@ class DaliExecutor:
 
     @staticmethod
     def _fill_null(fn, types, n: Node, kind: str, x, v):
-        missing = v == 0  # x * valid + value * missing is exact: raw values are integers, value is finite
+        # x * valid + value * missing is exact: raw values are integers or floats whose null slots the caller zeroed
+        # (inf * 0 would be NaN), value is finite
+        missing = v == 0
         value = n.params["value"]
         if kind == "dense":
             return fn.cast(x, dtype=types.FLOAT) * v + float(value) * missing
@@ -277,14 +291,18 @@ class DaliExecutor:
             self._count(path, path in NATIVE, f"dali: a batch with {why} ran wholly on the fused executor")
             return out
         vals: dict[int, Col] = {}
-        if self.pipe is not None:
-            feeds = {"dense": raw.dense, "dense_valid": raw.dense_valid, "sparse": raw.sparse,
+        pipe = self._pipe(raw.dense.dtype)
+        if pipe is not None:
+            dense = raw.dense
+            if dense.is_floating_point():  # a null slot holding inf / NaN would poison x * valid
+                dense = torch.where(raw.dense_valid, dense, torch.zeros((), dtype=dense.dtype))
+            feeds = {"dense": dense, "dense_valid": raw.dense_valid, "sparse": raw.sparse,
                      "sparse_valid": raw.sparse_valid}
             for k, t in feeds.items():
-                self.pipe.feed_input(k, [np.ascontiguousarray(t.numpy())])
-            self.pipe.feed_input("u64", [np.array(list(U64.values()), dtype=np.uint64)])
-            self.pipe.feed_input("hash_params", [self._hash_params])
-            outs = self.pipe.run()
+                pipe.feed_input(k, [np.ascontiguousarray(t.numpy())])
+            pipe.feed_input("u64", [np.array(list(U64.values()), dtype=np.uint64)])
+            pipe.feed_input("hash_params", [self._hash_params])
+            outs = pipe.run()
             for node, o in zip(self._outputs, outs, strict=True):
                 if self.device == "gpu":
                     o = o.as_cpu()

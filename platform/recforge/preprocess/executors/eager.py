@@ -17,6 +17,7 @@ from recforge.preprocess.semantics import ops
 _ELEMENTWISE = {
     "cast": lambda x, p: ops.cast(x, p["to"]),
     "logit": lambda x, p: ops.logit(x, p["eps"]),
+    "log1p": lambda x, p: ops.log1p(x),
     "boxcox": lambda x, p: ops.boxcox(x, p["lambda"]),
     "bucketize": lambda x, p: ops.bucketize(x, p["borders"]),
     "sigrid_hash": lambda x, p: ops.sigrid_hash(x, p["salt"], p["M"]),

@@ -324,6 +324,8 @@ class FusedExecutor:
             bounds = [logit_bounds(q["eps"]) for q in p]
             lo, hi = [b[0] for b in bounds], [b[1] for b in bounds]
             return [(every, lambda xs: call(kern.fused_logit, xs, lo, hi))]
+        if op == "log1p":
+            return [(every, lambda xs: call(kern.fused_log1p, xs))]
         if op == "boxcox":
             lambdas = [float(q["lambda"]) for q in p]
             return [(every, lambda xs: call(kern.fused_boxcox, xs, lambdas))]

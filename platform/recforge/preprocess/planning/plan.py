@@ -198,7 +198,8 @@ class Plan(_Strict):
 
 def criteo_plan(dataset: DatasetConfig, table_cap: int) -> Plan:
     """RAP plan 0: dense fill_null(0) -> logit(1e-5);
-    sparse fill_null(0) -> sigrid_hash(0, min(cardinality, table_cap)) -> firstx(1)."""
+    sparse fill_null(0) -> sigrid_hash(0, min(cardinality, table_cap)) -> firstx(1). A benchmark preset since the
+    default became `schema_plan` (logit turns every count above 1 into the same +11.5)."""
     if table_cap < 1:
         raise ValueError(f"criteo_plan: table_cap must be >= 1, got {table_cap}")
     dense = [
@@ -209,10 +210,38 @@ def criteo_plan(dataset: DatasetConfig, table_cap: int) -> Plan:
     sparse = [
         FeaturePlan(name=f.name, kind="sparse", source=f.name,
                     ops=[OpSpec(op="fill_null", params={"value": 0}),
-                         OpSpec(op="sigrid_hash", params={"salt": 0, "M": min(f.cardinality, table_cap)}),
+                         OpSpec(op="sigrid_hash", params={"salt": 0, "M": f.table_rows(table_cap)}),
                          OpSpec(op="firstx", params={"X": 1})])
         for f in dataset.sparse
     ]
     plan = Plan(name=f"rap_plan0_{dataset.name}_cap{table_cap}", features=dense + sparse)
+    plan.validate_for(dataset)
+    return plan
+
+
+def schema_plan(dataset: DatasetConfig, table_cap: int) -> Plan:
+    """The default plan, derived from the dataset's column roles (docs/data.md#default-preprocessing-plan):
+    dense: fill_null(0) -> clamp(lo, hi) when the column sets `clip` -> log1p when its transform is log1p;
+    categorical: fill_null(0) -> sigrid_hash(0, table rows) -> firstx(1);
+    multi_hot: fill_null(0) -> sigrid_hash(0, table rows) -> firstx(max_length) (up to max_length ids per row).
+    Table rows: min(cardinality, table_cap), table_cap when the cardinality is not given."""
+    if table_cap < 1:
+        raise ValueError(f"schema_plan: table_cap must be >= 1, got {table_cap}")
+    features = []
+    for d in dataset.dense:
+        ops = [OpSpec(op="fill_null", params={"value": 0})]
+        if d.clip is not None:
+            ops.append(OpSpec(op="clamp", params={"lo": d.clip[0], "hi": d.clip[1]}))
+        if d.transform == "log1p":
+            ops.append(OpSpec(op="log1p"))
+        features.append(FeaturePlan(name=d.name, kind="dense", source=d.name, ops=ops))
+    for c in dataset.sparse:
+        keep = getattr(c, "max_length", 1) if c.multi_hot else 1
+        features.append(FeaturePlan(
+            name=c.name, kind="sparse", source=c.name,
+            ops=[OpSpec(op="fill_null", params={"value": 0}),
+                 OpSpec(op="sigrid_hash", params={"salt": 0, "M": c.table_rows(table_cap)}),
+                 OpSpec(op="firstx", params={"X": keep})]))
+    plan = Plan(name=f"schema_{dataset.name}_cap{table_cap}", features=features)
     plan.validate_for(dataset)
     return plan

@@ -62,6 +62,12 @@ def logit(x: Tensor, eps: float | tuple[Tensor, Tensor] = 1e-5) -> Tensor:
     return torch.log(t64 / (1.0 - t64)).to(torch.float32)
 
 
+def log1p(x: Tensor) -> Tensor:
+    """log1p(max(x, 0)) evaluated in float64, rounded to float32 (counts: a negative count clamps to 0); NaN stays
+    NaN."""
+    return torch.log1p(torch.clamp(x.to(torch.float64), min=0.0)).to(torch.float32)
+
+
 def boxcox(x: Tensor, lmbda: float | Tensor) -> Tensor:
     """x > 0: ln x when lambda == 0, else (x^lambda - 1) / lambda, evaluated in float64 and rounded to float32 (in
     float32, x^lambda - 1 cancels: with lambda = 1e-5 one ulp of pow is 1e-3 of the result); x <= 0 and NaN

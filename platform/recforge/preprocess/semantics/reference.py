@@ -18,7 +18,7 @@ from recforge.preprocess.planning.plan import FeaturePlan, Plan
 from recforge_kernels.reference import sigrid_hash_ref
 
 __all__ = [
-    "fill_null_ref", "cast_ref", "logit_ref", "boxcox_ref", "bucketize_ref", "clamp_ref", "firstx_ref",
+    "fill_null_ref", "cast_ref", "logit_ref", "log1p_ref", "boxcox_ref", "bucketize_ref", "clamp_ref", "firstx_ref",
     "sigrid_hash_ref", "sigrid_hash_np", "onehot_ref", "ngram_ref", "mapid_ref", "apply_op_ref",
     "apply_feature_ref", "apply_feature_rows_ref", "apply_plan_ref", "apply_plan_rows_ref",
 ]
@@ -28,7 +28,8 @@ Rows = list[np.ndarray]
 
 def fill_null_ref(x: np.ndarray, valid: np.ndarray, value: float = 0, kind: str = "dense") -> np.ndarray:
     dtype = np.float32 if kind == "dense" else np.int64
-    out = x.astype(dtype)
+    with np.errstate(over="ignore"):  # float64 beyond float32 rounds to +-inf, as a cast does
+        out = x.astype(dtype)
     out[~valid] = value
     return out
 
@@ -56,6 +57,12 @@ def logit_ref(x: np.ndarray, eps: float = 1e-5) -> np.ndarray:
     x = x.astype(np.float32)
     t = np.minimum(np.maximum(x, np.float32(eps)), np.float32(1.0 - eps)).astype(np.float64)  # NaN propagates
     return np.log(t / (1.0 - t)).astype(np.float32)
+
+
+def log1p_ref(x: np.ndarray) -> np.ndarray:
+    """max(x, 0) (NaN stays NaN), log1p in float64, rounded to float32 (see ops.log1p)."""
+    x64 = x.astype(np.float32).astype(np.float64)
+    return np.log1p(np.where(x64 < 0, 0.0, x64)).astype(np.float32)
 
 
 def boxcox_ref(x: np.ndarray, lmbda: float) -> np.ndarray:
@@ -115,6 +122,7 @@ def ngram_ref(row: np.ndarray, n: int) -> np.ndarray:
 _ELEMENTWISE = {
     "cast": lambda x, p: cast_ref(x, p["to"]),
     "logit": lambda x, p: logit_ref(x, p["eps"]),
+    "log1p": lambda x, p: log1p_ref(x),
     "boxcox": lambda x, p: boxcox_ref(x, p["lambda"]),
     "bucketize": lambda x, p: bucketize_ref(x, p["borders"]),
     "clamp": lambda x, p: clamp_ref(x, p["lo"], p["hi"]),

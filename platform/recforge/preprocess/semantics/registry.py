@@ -67,6 +67,10 @@ class LogitParams(_Params):
     eps: float = Field(1e-5, gt=0.0, lt=0.5)
 
 
+class Log1pParams(_Params):
+    pass
+
+
 class BoxCoxParams(_Params):
     lmbda: float = Field(alias="lambda")
 
@@ -258,6 +262,9 @@ OPS: dict[str, OpDef] = {
               "to float32 (round to nearest) or to int64 (truncate; NaN -> 0; beyond int64 saturates)"),
         OpDef("logit", LogitParams, _float_to_float, _no_ids, True,
               "t = clamp(x, eps, 1-eps) (float32); ln(t / (1-t)) in float64, rounded to float32"),
+        OpDef("log1p", Log1pParams, _float_to_float, _no_ids, True,
+              "log1p(max(x, 0)) in float64, rounded to float32 (counts: negatives clamp to 0, as TorchRec's DLRM "
+              "example does); NaN stays NaN, +inf stays +inf"),
         OpDef("boxcox", BoxCoxParams, _float_to_float, _no_ids, True,
               "x > 0: ln x (lambda 0) or (x^lambda - 1)/lambda in float64, rounded to float32; x <= 0 and NaN "
               "unchanged"),

@@ -66,6 +66,11 @@ class Logit(Step):
         return ops.logit(x, (self.lo, self.hi))
 
 
+class Log1p(Step):
+    def forward(self, x: Tensor, valid: Tensor) -> Tensor:
+        return ops.log1p(x)
+
+
 class BoxCox(Step):
     lmbda: Tensor  # buffer
 
@@ -178,6 +183,8 @@ def build_step(
         return Cast(params["to"])
     if op == "logit":
         return Logit(col("eps"))
+    if op == "log1p":
+        return Log1p()
     if op == "boxcox":
         return BoxCox(col("lambda"))
     if op == "bucketize":

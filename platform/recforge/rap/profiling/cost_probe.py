@@ -57,7 +57,7 @@ def probe_case(op: str, n: int, rows: int, width: int, seed: int = 0) -> tuple[F
     kind, ops = _chain(op, width)
     dense_source = op in DENSE_OPS
     lists = not dense_source and width > 1
-    ds = DatasetConfig(name="probe", dense=[DenseFeature(name=f"D{i}") for i in range(n)],
+    ds = DatasetConfig.criteo_order(name="probe", dense=[DenseFeature(name=f"D{i}") for i in range(n)],
                        sparse=[SparseFeature(name=f"S{i}", cardinality=1000) for i in range(n)])
     feats = [{"name": f"f{i}", "kind": kind, "source": f"{'D' if dense_source else 'S'}{i}", "ops": ops}
              for i in range(n)]

@@ -19,7 +19,8 @@ from recforge.recom.errors import NotOneHotError
 
 # Ops that map each id to one id (or one value to one value): they cannot change how many ids a row holds.
 LENGTH_PRESERVING_OPS = frozenset(
-    {"fill_null", "sigrid_hash", "bucketize", "clamp", "clip", "mod", "cast", "identity", "abs", "logit", "boxcox"}
+    {"fill_null", "sigrid_hash", "bucketize", "clamp", "clip", "mod", "cast", "identity", "abs", "logit", "log1p",
+     "boxcox"}
 )
 _FIRSTX_PARAM_NAMES = ("X", "x", "k", "n", "max_len", "max_length", "length")
 
