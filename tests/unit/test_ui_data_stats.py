@@ -19,6 +19,7 @@ from recforge.pipelines.outputs import (
     IngestOutputs,
     SplitOutputs,
 )
+from recforge.pipelines.summary import summarize
 from recforge.ui.app import create_app
 
 EVIL = '<script>alert("x")</script>'
@@ -87,3 +88,7 @@ def test_run_page_shows_column_statistics_and_highlights_drift(tmp_path):
     plain = client.get("/runs/without_stats", headers={"accept": "text/html"}).text
     assert 'id="column-stats"' not in plain and "Column statistics" not in plain
     assert client.get("/api/runs/with_stats").json()["data_stats"]["flags"][0]["column"] == "C1"
+    # the CLI's summary (recforge run / demo) counts the flags too
+    results = summarize(RunContext.create("with_stats", {}, home=tmp_path))["results"]
+    assert (results["drift_flags"], results["drifted_columns"]) == (1, "C1")
+    assert "drift_flags" not in summarize(RunContext.create("without_stats", {}, home=tmp_path))["results"]

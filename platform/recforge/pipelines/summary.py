@@ -464,6 +464,10 @@ def results(facts: RunFacts) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if ing is not None:
         out |= {"rows_ingested": ing.rows_ingested, "rows_quarantined": ing.rows_quarantined}
+        if ing.stats is not None:  # drift against the previous day: reported, never a failure
+            out["drift_flags"] = len(ing.stats.flags)
+            if ing.stats.drifted_columns:
+                out["drifted_columns"] = ", ".join(ing.stats.drifted_columns)
     if tr is not None:
         out |= {"train_samples_per_s": tr.samples_per_s, "train_world_size": tr.world_size, "train_steps": tr.steps,
                 "train_wall_s": tr.wall_s}
