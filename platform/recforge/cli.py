@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 from rich.text import Text
 
-from recforge.config import PipelineConfig, dataset_preset, load_config
+from recforge.config import PipelineConfig, dataset_preset, load_config, load_dataset
 from recforge.demo import how_to_open, run_demo
 from recforge.elastic.simulate.cli import app as simulate_app
 from recforge.pipelines.context import RunContext
@@ -71,12 +71,14 @@ def data_generate(
 def data_validate(
     sources: list[Path] = typer.Argument(..., help="raw day files"),
     out: Path = typer.Option(..., help="output directory for Parquet shards + manifest"),
-    preset: str = "criteo_kaggle", rows_per_shard: int = 50_000, max_bad_fraction: float = 0.01,
+    dataset: str = typer.Option("criteo_kaggle", "--dataset", "--preset",
+                                help="a shipped schema (criteo_kaggle, criteo_terabyte) or a schema file (.yaml)"),
+    rows_per_shard: int = 50_000, max_bad_fraction: float = 0.01,
 ):
-    """Validate raw day files into Parquet shards; bad rows go to quarantine.jsonl."""
+    """Validate raw day files of any schema into Parquet shards; bad rows go to quarantine.jsonl."""
     from recforge.data.ingest import ingest  # lazy: pyarrow; the other commands start without it
 
-    manifest = ingest(list(sources), dataset_preset(preset), out, rows_per_shard=rows_per_shard,
+    manifest = ingest(list(sources), load_dataset(dataset), out, rows_per_shard=rows_per_shard,
                       max_bad_fraction=max_bad_fraction, progress=True)
     console.print(f"{manifest.total_rows:,} rows in {len(manifest.shards)} shards at {out}; "
                   f"{manifest.quarantined_rows:,} quarantined ({out / 'quarantine.jsonl'})")
