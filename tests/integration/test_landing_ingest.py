@@ -36,14 +36,8 @@ def zone(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    """One $RECFORGE_HOME (and MLflow store) for the module's runs, each under its own run key."""
-    path = tmp_path_factory.mktemp("home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RECFORGE_HOME", str(path))
-        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{path / 'mlflow' / 'mlflow.db'}")
-        mp.setenv("RECFORGE_MLFLOW_ARTIFACTS", str(path / "mlflow" / "artifacts"))
-        yield path
+def home(module_home):
+    return module_home
 
 
 def _ctx(home: Path, key: str, **config) -> RunContext:

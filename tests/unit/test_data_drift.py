@@ -103,15 +103,8 @@ def test_the_recorded_flag_has_the_fields_of_the_drift_flag():
 
 # --- the ingest stage: statistics, history, drift, MLflow ---------------------------------------------------------
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    # one $RECFORGE_HOME and MLflow store for test_data_drift and test_data_errors (a new store costs seconds)
-    home = tmp_path_factory.getbasetemp() / "data_tests_home"
-    home.mkdir(exist_ok=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RECFORGE_HOME", str(home))
-        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow' / 'mlflow.db'}")
-        mp.setenv("RECFORGE_MLFLOW_ARTIFACTS", str(home / "mlflow" / "artifacts"))
-        yield home
+def home(module_home):
+    return module_home
 
 
 def _daily_run(home, first_day: int, blank_column: int | None = None) -> IngestOutputs:

@@ -52,15 +52,8 @@ def test_cli_keeps_other_errors_as_they_were(tmp_path, capsys):
 
 # --- pipeline stages, Airflow, MLflow -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    # one $RECFORGE_HOME and MLflow store for test_data_drift and test_data_errors (a new store costs seconds)
-    home = tmp_path_factory.getbasetemp() / "data_tests_home"
-    home.mkdir(exist_ok=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RECFORGE_HOME", str(home))
-        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow' / 'mlflow.db'}")
-        mp.setenv("RECFORGE_MLFLOW_ARTIFACTS", str(home / "mlflow" / "artifacts"))
-        yield home
+def home(module_home):
+    return module_home
 
 
 def _failure_records(caplog) -> list[str]:

@@ -165,3 +165,15 @@ def test_generator_refuses_schemas_it_cannot_write(tmp_path):
     no_card = DatasetConfig(name="x", dense=[{"name": "a"}], sparse=[{"name": "b"}])
     with pytest.raises(ValueError, match=r"columns \['b'\] have no cardinality"):
         generate_days(no_card, tmp_path / "raw", days=1, rows_per_day=10, seed=0)
+
+
+def test_schema_file_is_parsed_once_until_it_changes(tmp_path):
+    path = _write(tmp_path, USER_SCHEMA)
+    first, second = load_dataset(path), load_dataset(path)
+    assert first == second and first is not second  # each caller gets its own copy of the cached schema
+    first.columns.pop()
+    assert load_dataset(path) == second  # mutating one copy does not reach the cache
+    changed = USER_SCHEMA.replace("name: clicks_csv", "name: clicks_csv_v2")
+    assert changed != USER_SCHEMA
+    path.write_text(textwrap.dedent(changed))  # another size: a changed file is parsed again
+    assert load_dataset(path).name == "clicks_csv_v2"

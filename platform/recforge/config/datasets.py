@@ -289,11 +289,23 @@ class DatasetConfig(StrictModel):
                         for c in self.columns[1 + len(self.dense):]))
 
 
+_FILE_CACHE: dict[tuple[str, int, int], DatasetConfig] = {}  # (resolved path, mtime_ns, size) -> the parsed schema
+
+
 def load_dataset_file(path: str | Path) -> DatasetConfig:
-    """A dataset schema from YAML (or JSON); errors name the file and the field."""
+    """A dataset schema from YAML (or JSON); errors name the file and the field. A file parsed before and not
+    changed since (same mtime and size) is not read again: callers get their own copy of the cached schema."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset schema file not found: {path}")
+    st = path.stat()
+    key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
+    if key not in _FILE_CACHE:
+        _FILE_CACHE[key] = _parse_dataset_file(path)
+    return _FILE_CACHE[key].model_copy(deep=True)
+
+
+def _parse_dataset_file(path: Path) -> DatasetConfig:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
