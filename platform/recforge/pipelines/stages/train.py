@@ -320,10 +320,10 @@ def checkpoint_record(work: Path, every_steps: int, flash: bool, *, task_started
 def _rows_retrained(ledger: Path) -> int:
     if not ledger.exists():
         return 0
-    from recforge.train.loop.ledger import audit  # lazy: only with a ledger
+    from recforge.train.loop.ledger import rows_retrained  # lazy: only with a ledger
 
     try:
-        return sum(audit(ledger).redone.values())
+        return rows_retrained(ledger)  # counted per ledger entry: a day's rows are never expanded in memory
     except (FileNotFoundError, ValueError) as e:
         log.warning("ledger %s could not be audited: %s", ledger, e)
         return 0

@@ -17,7 +17,9 @@ import json
 import os
 import re
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +86,7 @@ def _expand(entry: dict[str, int]) -> list[Row]:
     return [(entry["e"], entry["s"], r) for r in range(entry["a"], entry["b"])]
 
 
-def audit(root: str | Path, final_generation: int | None = None) -> Audit:
-    root = Path(root)
+def _generations(root: Path) -> dict[int, dict[str, Any]]:
     gens = {}
     for p in root.glob("gen*.json"):
         m = re.fullmatch(r"gen(\d{4})\.json", p.name)
@@ -93,20 +94,66 @@ def audit(root: str | Path, final_generation: int | None = None) -> Audit:
             gens[int(m.group(1))] = json.loads(p.read_text())
     if not gens:
         raise FileNotFoundError(f"no ledger generations in {root}")
-    out = Audit(generations=gens)
-    for g in gens:
-        for e in _entries(root, g):
-            out.trained.update(_expand(e))
+    return gens
+
+
+def _lineage(root: Path, gens: dict[int, dict[str, Any]], final_generation: int | None,
+             ) -> tuple[list[int], list[dict[str, int]]]:
+    """The lineage's generations (last first) and its entries: the final model's rows, as recorded."""
     g = max(gens) if final_generation is None else final_generation
+    chain: list[int] = []
+    entries: list[dict[str, int]] = []
     limit: int | None = None  # rows of generation g trained before this step belong to the lineage
     while True:
         if g not in gens:
             raise ValueError(f"ledger: generation {g} is referenced but has no gen{g:04d}.json in {root}")
-        out.chain.append(g)
-        for e in _entries(root, g):
-            if limit is None or e["since"] < limit:
-                out.lineage.update(_expand(e))
+        chain.append(g)
+        entries.extend(e for e in _entries(root, g) if limit is None or e["since"] < limit)
         head = gens[g]
         if head["resumed_step"] is None:
-            return out
+            return chain, entries
         limit, g = int(head["resumed_step"]), int(head["saved_by"])
+
+
+def audit(root: str | Path, final_generation: int | None = None) -> Audit:
+    """Every row trained and the final model's lineage, row by row (memory grows with the rows: tests and
+    benchmarks; `rows_retrained` counts the redone rows in memory proportional to the ledger's entries)."""
+    root = Path(root)
+    gens = _generations(root)
+    out = Audit(generations=gens)
+    for g in gens:
+        for e in _entries(root, g):
+            out.trained.update(_expand(e))
+    out.chain, lineage = _lineage(root, gens, final_generation)
+    for e in lineage:
+        out.lineage.update(_expand(e))
+    return out
+
+
+def _boundary_deltas(entries: Iterable[dict[str, int]]) -> dict[tuple[int, int], Counter]:
+    """(epoch, shard) -> row -> the change, at that row, of how many entries cover it."""
+    out: dict[tuple[int, int], Counter] = {}
+    for e in entries:
+        c = out.setdefault((e["e"], e["s"]), Counter())
+        c[e["a"]] += 1
+        c[e["b"]] -= 1
+    return out
+
+
+def rows_retrained(root: str | Path, final_generation: int | None = None) -> int:
+    """sum(audit(root).redone.values()) without expanding rows: per (epoch, shard), a sweep over the entries'
+    boundaries adds up max(0, times trained - times in the lineage) over each run of rows."""
+    root = Path(root)
+    gens = _generations(root)
+    trained_deltas = _boundary_deltas(e for g in gens for e in _entries(root, g))
+    lineage_deltas = _boundary_deltas(_lineage(root, gens, final_generation)[1])
+    total = 0
+    for key in trained_deltas.keys() | lineage_deltas.keys():
+        t, lin = trained_deltas.get(key, Counter()), lineage_deltas.get(key, Counter())
+        bounds = sorted(t.keys() | lin.keys())
+        n_trained = n_lineage = 0
+        for here, nxt in pairwise(bounds):
+            n_trained += t[here]
+            n_lineage += lin[here]
+            total += max(0, n_trained - n_lineage) * (nxt - here)
+    return total
