@@ -3,9 +3,15 @@
 Why C++: the same ops as vectorized torch pay one pass over memory (and an allocation) per arithmetic step, and
 the 64-bit hash is ~25 steps; bench/bench_preprocess.py measures the difference. The build is cached under
 $RECFORGE_KERNELS_CACHE, else ~/.cache/recforge/torch_extensions (see cache_dir; the embedding op's build shares
-it), in a folder named after a hash of the source, the flags, the torch version and this CPU's model and flags
-(the code is built with -march=native, so a cache must not travel to another CPU). Set RECFORGE_NO_CPP=1 to skip it: the
-fused ops then run their torch fallback. Build failures are logged once and fall back the same way.
+it), in a folder named after a hash of the source, the flags, the torch version and this CPU's model and flags.
+
+Target: the extension is compiled where it runs (at first use), for that CPU: -march=$RECFORGE_CPU_MARCH, "native" by
+default, so every loop auto-vectorizes for the widest ISA the machine has, and the build key carries the CPU's model
+and flags, so a cache never travels to another CPU. A shared or prebuilt cache (a CI image) sets e.g.
+RECFORGE_CPU_MARCH=x86-64-v2: the hot sigrid hash + floor-mod loop still runs its AVX2 form, compiled by a target
+attribute and chosen at run time (__builtin_cpu_supports), so a portable build loses only the auto-vectorized and
+Sleef float64 loops. Set RECFORGE_NO_CPP=1 to skip the build: the fused ops then run their torch fallback. Build
+failures are logged once and fall back the same way.
 """
 from __future__ import annotations
 
@@ -23,14 +29,15 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "fused_cpu.cpp"
 HEADERS = (Path(__file__).parent / "csrc" / "sigrid_hash.h",)  # included by SOURCE: part of the build key
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17"]
+MARCH = os.environ.get("RECFORGE_CPU_MARCH", "native")  # see the module docstring
+FLAGS = ["-O3", f"-march={MARCH}", "-fno-math-errno", "-std=c++17"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
 def cpu_signature() -> str:
-    """This CPU's model and flags, for build keys (the kernels are built with -march=native)."""
+    """This CPU's model and flags, for build keys (the kernels are built for the CPU they run on)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
         lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]

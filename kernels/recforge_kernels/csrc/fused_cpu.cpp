@@ -12,14 +12,17 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <sleef.h>
 #endif
 
@@ -297,70 +300,255 @@ std::vector<Tensor> mapid(at::TensorList xs, const Tensor& table_, at::IntArrayR
 
 #include "sigrid_hash.h"
 
-// Signed h floor-mod d: with s = h >> 63 (all ones when negative), a = h ^ s lies in [0, 2^63) and
-// h mod d = s ? d - 1 - (a mod d) : a mod d. Three loops, one per way of taking a mod d; each vectorizes.
-void sigrid_hash_block(const int64_t* __restrict x, int64_t* __restrict o, int64_t n, uint64_t salt, uint64_t d) {
-  const int64_t di = (int64_t)d;
-  if ((d & (d - 1)) == 0) {  // a power of two, 1 included: a mask
-    const int64_t mask = di - 1;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t h = (int64_t)hash_128_to_64(salt, twang_mix64((uint64_t)x[i]));
-      const int64_t s = h >> 63, r = (h ^ s) & mask;
-      o[i] = s ? di - 1 - r : r;
+// Signed h floor-mod d (d >= 1): with s = h >> 63 (all ones when negative), a = h ^ s lies in [0, 2^63) and
+// h mod d = s ? d - 1 - (a mod d) : a mod d = (r ^ s) + (s & d), r = a mod d, without a branch.
+// a mod d without a divide: ModMagic holds d's invariant-divisor magic numbers, computed once per column and call
+// (sigrid_hash_magic.h); a power of two (1 included) is a mask. The AVX2 loop hashes and reduces 4 values per
+// step (no 64-bit vector multiply or divide exists in AVX2: the products are built from 32x32->64 multiplies); it
+// is compiled for AVX2 by a target attribute and chosen at run time, so the code builds and runs on any x86-64.
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define RECFORGE_AVX2_DISPATCH 1
+#define RECFORGE_AVX2 __attribute__((target("avx2")))
+
+RECFORGE_AVX2 inline __m256i mullo64(__m256i a, __m256i kl, __m256i kh) {  // a * k mod 2^64; kl, kh: k's halves
+  const __m256i lo = _mm256_mul_epu32(a, kl);
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), kl), _mm256_mul_epu32(a, kh));
+  return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
+}
+
+RECFORGE_AVX2 inline __m256i mulhi64(__m256i a, __m256i ml, __m256i mh) {  // (a * m) >> 64, unsigned
+  const __m256i ah = _mm256_srli_epi64(a, 32);
+  const __m256i ll = _mm256_mul_epu32(a, ml), lh = _mm256_mul_epu32(a, mh);
+  const __m256i hl = _mm256_mul_epu32(ah, ml), hh = _mm256_mul_epu32(ah, mh);
+  const __m256i t = _mm256_add_epi64(hl, _mm256_srli_epi64(ll, 32));  // no carry out: < 2^64
+  const __m256i u = _mm256_add_epi64(lh, _mm256_and_si256(t, _mm256_set1_epi64x(0xffffffffLL)));
+  return _mm256_add_epi64(hh, _mm256_add_epi64(_mm256_srli_epi64(t, 32), _mm256_srli_epi64(u, 32)));
+}
+
+RECFORGE_AVX2 inline __m256i sigrid_raw_avx2(__m256i k, __m256i salt, __m256i kl, __m256i kh) {
+  k = _mm256_add_epi64(_mm256_xor_si256(k, _mm256_set1_epi64x(-1)), _mm256_slli_epi64(k, 21));  // twang_mix64
+  k = _mm256_xor_si256(k, _mm256_srli_epi64(k, 24));
+  k = _mm256_add_epi64(_mm256_add_epi64(k, _mm256_slli_epi64(k, 3)), _mm256_slli_epi64(k, 8));
+  k = _mm256_xor_si256(k, _mm256_srli_epi64(k, 14));
+  k = _mm256_add_epi64(_mm256_add_epi64(k, _mm256_slli_epi64(k, 2)), _mm256_slli_epi64(k, 4));
+  k = _mm256_xor_si256(k, _mm256_srli_epi64(k, 28));
+  k = _mm256_add_epi64(k, _mm256_slli_epi64(k, 31));
+  __m256i a = mullo64(_mm256_xor_si256(k, salt), kl, kh);  // hash_128_to_64(salt, k)
+  a = _mm256_xor_si256(a, _mm256_srli_epi64(a, 47));
+  __m256i b = mullo64(_mm256_xor_si256(salt, a), kl, kh);
+  b = _mm256_xor_si256(b, _mm256_srli_epi64(b, 47));
+  return mullo64(b, kl, kh);
+}
+
+// n values; the tail (n % 4) is left to the scalar loop. Returns how many values it wrote.
+RECFORGE_AVX2 int64_t sigrid_hash_avx2(const int64_t* __restrict x, int64_t* __restrict o, int64_t n, uint64_t salt,
+                                       const ModMagic& mm) {
+  const __m256i kl = _mm256_set1_epi64x((int64_t)(kHashMul & 0xffffffffULL));
+  const __m256i kh = _mm256_set1_epi64x((int64_t)(kHashMul >> 32));
+  const __m256i sv = _mm256_set1_epi64x((int64_t)salt), zero = _mm256_setzero_si256();
+  const __m256i dv = _mm256_set1_epi64x((int64_t)mm.d), mask = _mm256_set1_epi64x((int64_t)(mm.d - 1));
+  const __m256i ml = _mm256_set1_epi64x((int64_t)(mm.magic & 0xffffffffULL));
+  const __m256i mh = _mm256_set1_epi64x((int64_t)(mm.magic >> 32));
+  const __m256i dl = _mm256_set1_epi64x((int64_t)(mm.d & 0xffffffffULL));
+  const __m256i dh = _mm256_set1_epi64x((int64_t)(mm.d >> 32));
+  const __m128i shift = _mm_cvtsi32_si128(mm.shift);
+  const bool small_d = (mm.d >> 32) == 0;  // q * d from two 32-bit multiplies
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const __m256i h = sigrid_raw_avx2(_mm256_loadu_si256((const __m256i*)(x + i)), sv, kl, kh);
+    const __m256i s = _mm256_cmpgt_epi64(zero, h);
+    const __m256i a = _mm256_xor_si256(h, s);
+    __m256i r;
+    if (mm.pow2) {
+      r = _mm256_and_si256(a, mask);
+    } else {
+      const __m256i q = _mm256_srl_epi64(mulhi64(a, ml, mh), shift);
+      const __m256i qd = small_d ? _mm256_add_epi64(_mm256_mul_epu32(q, dl),
+                                                    _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(q, 32), dl), 32))
+                                 : mullo64(q, dl, dh);
+      r = _mm256_sub_epi64(a, qd);
     }
-  } else if (d < (1ULL << 51)) {
-    // a mod d through float64 (no 64-bit vector division exists): the truncated quotient a * (1/d) is off by at
-    // most 3 * 2^10 / d + 1, which leaves |r| < 2^53; the second quotient of r is exact but for rounding at an
-    // integer, leaving r in (-2d, 2d) for the three corrections. Products wrap in uint64; the true values are small.
-    const double inv = 1.0 / (double)d;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t h = (int64_t)hash_128_to_64(salt, twang_mix64((uint64_t)x[i]));
-      const int64_t s = h >> 63, a = h ^ s;
-      int64_t r = (int64_t)((uint64_t)a - (uint64_t)(int64_t)((double)a * inv) * d);
-      r = (int64_t)((uint64_t)r - (uint64_t)(int64_t)((double)r * inv) * d);
-      r += r < 0 ? di : 0;
-      r += r < 0 ? di : 0;
-      r -= r >= di ? di : 0;
-      o[i] = s ? di - 1 - r : r;
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t h = (int64_t)hash_128_to_64(salt, twang_mix64((uint64_t)x[i]));
-      const int64_t s = h >> 63;
-      const int64_t r = (int64_t)((uint64_t)(h ^ s) % d);
-      o[i] = s ? di - 1 - r : r;
-    }
+    _mm256_storeu_si256((__m256i*)(o + i), _mm256_add_epi64(_mm256_xor_si256(r, s), _mm256_and_si256(s, dv)));
   }
+  return i;
+}
+
+bool cpu_has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+#endif
+
+// Scalar form (the tail, CPUs without AVX2): one 64x64->128 multiply per value.
+inline void sigrid_hash_scalar(const int64_t* __restrict x, int64_t* __restrict o, int64_t n, uint64_t salt,
+                               const ModMagic& mm) {
+  for (int64_t i = 0; i < n; ++i)
+    o[i] = floor_mod_magic((int64_t)hash_128_to_64(salt, twang_mix64((uint64_t)x[i])), mm);
+}
+
+void sigrid_hash_block(const int64_t* __restrict x, int64_t* __restrict o, int64_t n, uint64_t salt,
+                       const ModMagic& mm) {
+  int64_t i = 0;
+#ifdef RECFORGE_AVX2_DISPATCH
+  if (cpu_has_avx2()) i = sigrid_hash_avx2(x, o, n, salt, mm);
+#endif
+  sigrid_hash_scalar(x + i, o + i, n - i, salt, mm);
 }
 
 std::vector<Tensor> sigrid_hash(at::TensorList xs, at::IntArrayRef salts, at::IntArrayRef moduli) {
   check_len(salts.size(), xs.size(), "sigrid_hash", "salts");
   check_len(moduli.size(), xs.size(), "sigrid_hash", "moduli");
   for (auto m : moduli) TORCH_CHECK(m >= 1, "sigrid_hash: every modulus must be >= 1, got ", m);
+  std::vector<ModMagic> mms;
+  for (auto m : moduli) mms.push_back(mod_magic((uint64_t)m));
   return per_feature<int64_t, int64_t>(xs, "sigrid_hash", [&](int64_t f, const int64_t* x, int64_t* o, int64_t n) {
-    sigrid_hash_block(x, o, n, (uint64_t)salts[f], (uint64_t)moduli[f]);
+    sigrid_hash_block(x, o, n, (uint64_t)salts[f], mms[f]);
   });
+}
+
+// ------------------------------------------------------------------ the machine's limits (bench_kernel_limits.py)
+
+// The floor-mod alone, three ways, for the limit benchmark and the magic-number tests: method 0 magic numbers
+// (what sigrid_hash runs), 1 the hardware divide, 2 float64 reciprocal with corrections (the kernel before).
+inline int64_t floor_mod_div(int64_t h, uint64_t d) {
+  const int64_t s = h >> 63;
+  const int64_t r = (int64_t)((uint64_t)(h ^ s) % d);
+  return (r ^ s) + (s & (int64_t)d);
+}
+
+// the truncated quotient a * (1/d) is off by at most 3 * 2^10 / d + 1, leaving |r| < 2^53; the second quotient of r
+// is exact but for rounding at an integer, leaving r in (-2d, 2d) for the three corrections (d < 2^51)
+inline int64_t floor_mod_f64(int64_t h, uint64_t d, double inv) {
+  const int64_t di = (int64_t)d;
+  const int64_t s = h >> 63, a = h ^ s;
+  int64_t r = (int64_t)((uint64_t)a - (uint64_t)(int64_t)((double)a * inv) * d);
+  r = (int64_t)((uint64_t)r - (uint64_t)(int64_t)((double)r * inv) * d);
+  r += r < 0 ? di : 0;
+  r += r < 0 ? di : 0;
+  r -= r >= di ? di : 0;
+  return (r ^ s) + (s & di);
+}
+
+Tensor floor_mod(const Tensor& h_, int64_t d, int64_t method) {
+  TORCH_CHECK(h_.scalar_type() == at::kLong && h_.device().is_cpu(), "floor_mod: h must be a CPU int64 tensor");
+  TORCH_CHECK(d >= 1, "floor_mod: the modulus must be >= 1, got ", d);
+  TORCH_CHECK(method != 2 || d < (1LL << 51), "floor_mod: the float64 method needs d < 2^51, got ", d);
+  TORCH_CHECK(0 <= method && method <= 2, "floor_mod: method must be 0 (magic), 1 (divide) or 2 (float64)");
+  Tensor h = h_.contiguous();
+  Tensor out = at::empty_like(h);
+  const int64_t* hp = h.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const ModMagic mm = mod_magic((uint64_t)d);
+  if (method == 0)
+    for (int64_t i = 0; i < h.numel(); ++i) op[i] = floor_mod_magic(hp[i], mm);
+  else if (method == 1)
+    for (int64_t i = 0; i < h.numel(); ++i) op[i] = floor_mod_div(hp[i], (uint64_t)d);
+  else
+    for (int64_t i = 0; i < h.numel(); ++i) op[i] = floor_mod_f64(hp[i], (uint64_t)d, 1.0 / (double)d);
+  return out;
+}
+
+void logit_run(const float* x, float* o, int64_t n, double l, double h);  // below
+
+// Timed loops for bench_kernel_limits.py, on one thread, `reps` times over the same buffers (no allocation inside):
+// kind 0 stream copy (o = x), 1 STREAM triad on int64 (o = x + 3 * y), 2 hash + floor-mod (sigrid_hash's block),
+// 3 hash + hardware divide, 4 hash + float64 floor-mod (the kernel before), 5 hash alone, 6 logit (float64 log: the
+// first n float32 values of y's bytes into o's), 7 an integer clamp (the cost of a cheap step). Returns the seconds.
+double limit_loop(const Tensor& x_, const Tensor& y_, Tensor& o_, int64_t kind, int64_t d, int64_t reps) {
+  TORCH_CHECK(x_.is_contiguous() && y_.is_contiguous() && o_.is_contiguous() && x_.scalar_type() == at::kLong &&
+              y_.scalar_type() == at::kLong && o_.scalar_type() == at::kLong && x_.numel() == o_.numel() &&
+              y_.numel() == o_.numel(), "limit_loop: contiguous int64 tensors of one size");
+  TORCH_CHECK(d >= 1 && (kind != 4 || d < (1LL << 51)), "limit_loop: bad modulus ", d);
+  const int64_t* x = x_.data_ptr<int64_t>();
+  const int64_t* y = y_.data_ptr<int64_t>();
+  int64_t* o = o_.data_ptr<int64_t>();
+  const int64_t n = x_.numel();
+  const uint64_t ud = (uint64_t)d;
+  const double inv = 1.0 / (double)d;
+  const ModMagic mm = mod_magic(ud);
+  constexpr int64_t kBlock = 256;  // what the chain kernel hashes per call
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t rep = 0; rep < reps; ++rep) {
+    switch (kind) {
+      case 0: std::memcpy(o, x, n * sizeof(int64_t)); break;
+      case 1: for (int64_t i = 0; i < n; ++i) o[i] = x[i] + 3 * y[i]; break;
+      case 2:
+        for (int64_t b = 0; b < n; b += kBlock) sigrid_hash_block(x + b, o + b, std::min(kBlock, n - b), 0, mm);
+        break;
+      case 3:
+        for (int64_t i = 0; i < n; ++i) o[i] = floor_mod_div((int64_t)hash_128_to_64(0, twang_mix64((uint64_t)x[i])), ud);
+        break;
+      case 4:
+        for (int64_t i = 0; i < n; ++i)
+          o[i] = floor_mod_f64((int64_t)hash_128_to_64(0, twang_mix64((uint64_t)x[i])), ud, inv);
+        break;
+      case 5: for (int64_t i = 0; i < n; ++i) o[i] = (int64_t)hash_128_to_64(0, twang_mix64((uint64_t)x[i])); break;
+      case 6: logit_run((const float*)y, (float*)o, n, 1e-5, 1.0 - 1e-5); break;
+      case 7: clamp_id_run(x, o, n, -3, d); break;
+      default: TORCH_CHECK(false, "limit_loop: unknown kind ", kind);
+    }
+    asm volatile("" : : "r"(o) : "memory");  // keep every repetition
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // ------------------------------------------------------------------ logit, boxcox (float64 math)
 
-// y[i] = float(g(double(x[i]))) where g is given as a vector body and a scalar body (for the tail).
-template <typename Scalar
+// y[i] = float(g(double(x[i]))) where g is given as a vector body (8 float64 lanes with AVX-512, 4 with AVX2; Sleef's
+// vector log / exp from libtorch_cpu) and a scalar body (the tail, and builds without either).
 #if defined(__AVX512F__)
+#define RECFORGE_VEC_F64 1
+using VecD = __m512d;
+inline VecD vd_set1(double v) { return _mm512_set1_pd(v); }
+inline VecD vd_blend_lt(VecD v, VecD bound) { return _mm512_mask_blend_pd(_mm512_cmp_pd_mask(v, bound, _CMP_LT_OQ), v, bound); }
+inline VecD vd_blend_gt(VecD v, VecD bound) { return _mm512_mask_blend_pd(_mm512_cmp_pd_mask(v, bound, _CMP_GT_OQ), v, bound); }
+inline VecD vd_pos_select(VecD v, VecD if_pos, VecD if_not) {  // v > 0 ? if_pos : if_not (NaN: if_not)
+  return _mm512_mask_blend_pd(_mm512_cmp_pd_mask(v, _mm512_setzero_pd(), _CMP_GT_OQ), if_not, if_pos);
+}
+inline VecD vd_div(VecD a, VecD b) { return _mm512_div_pd(a, b); }
+inline VecD vd_sub(VecD a, VecD b) { return _mm512_sub_pd(a, b); }
+inline VecD vd_mul(VecD a, VecD b) { return _mm512_mul_pd(a, b); }
+inline VecD vd_log(VecD v) { return Sleef_logd8_u10(v); }
+inline VecD vd_log1p(VecD v) { return Sleef_log1pd8_u10(v); }
+inline VecD vd_exp(VecD v) { return Sleef_expd8_u10(v); }
+constexpr int kVecD = 8;
+inline VecD vd_load(const float* x) { return _mm512_cvtps_pd(_mm256_loadu_ps(x)); }
+inline void vd_store(float* o, VecD v) { _mm256_storeu_ps(o, _mm512_cvtpd_ps(v)); }
+#elif defined(__AVX2__)
+#define RECFORGE_VEC_F64 1
+using VecD = __m256d;
+inline VecD vd_set1(double v) { return _mm256_set1_pd(v); }
+// blendv takes the second operand where the mask is set; a NaN compares false and keeps v
+inline VecD vd_blend_lt(VecD v, VecD bound) { return _mm256_blendv_pd(v, bound, _mm256_cmp_pd(v, bound, _CMP_LT_OQ)); }
+inline VecD vd_blend_gt(VecD v, VecD bound) { return _mm256_blendv_pd(v, bound, _mm256_cmp_pd(v, bound, _CMP_GT_OQ)); }
+inline VecD vd_pos_select(VecD v, VecD if_pos, VecD if_not) {
+  return _mm256_blendv_pd(if_not, if_pos, _mm256_cmp_pd(v, _mm256_setzero_pd(), _CMP_GT_OQ));
+}
+inline VecD vd_div(VecD a, VecD b) { return _mm256_div_pd(a, b); }
+inline VecD vd_sub(VecD a, VecD b) { return _mm256_sub_pd(a, b); }
+inline VecD vd_mul(VecD a, VecD b) { return _mm256_mul_pd(a, b); }
+inline VecD vd_log(VecD v) { return Sleef_logd4_u10avx2(v); }
+inline VecD vd_log1p(VecD v) { return Sleef_log1pd4_u10avx2(v); }
+inline VecD vd_exp(VecD v) { return Sleef_expd4_u10avx2(v); }
+constexpr int kVecD = 4;
+inline VecD vd_load(const float* x) { return _mm256_cvtps_pd(_mm_loadu_ps(x)); }
+inline void vd_store(float* o, VecD v) { _mm_storeu_ps(o, _mm256_cvtpd_ps(v)); }
+#endif
+
+template <typename Scalar
+#ifdef RECFORGE_VEC_F64
           , typename Vec
 #endif
           >
 void map_f64(const float* x, float* o, int64_t n, const Scalar& scalar
-#if defined(__AVX512F__)
+#ifdef RECFORGE_VEC_F64
              , const Vec& vec
 #endif
 ) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 8 <= n; i += 8) {
-    __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
-    _mm256_storeu_ps(o + i, _mm512_cvtpd_ps(vec(v)));
-  }
+#ifdef RECFORGE_VEC_F64
+  for (; i + kVecD <= n; i += kVecD) vd_store(o + i, vec(vd_load(x + i)));
 #endif
   for (; i < n; ++i) o[i] = (float)scalar((double)x[i]);
 }
@@ -371,12 +559,11 @@ void logit_run(const float* x, float* o, int64_t n, double l, double h) {
     v = v > h ? h : v;
     return std::log(v / (1.0 - v));
   };
-#if defined(__AVX512F__)
-  const __m512d vl = _mm512_set1_pd(l), vh = _mm512_set1_pd(h), one = _mm512_set1_pd(1.0);
-  auto vec = [vl, vh, one](__m512d v) {
-    v = _mm512_mask_blend_pd(_mm512_cmp_pd_mask(v, vl, _CMP_LT_OQ), v, vl);
-    v = _mm512_mask_blend_pd(_mm512_cmp_pd_mask(v, vh, _CMP_GT_OQ), v, vh);
-    return Sleef_logd8_u10(_mm512_div_pd(v, _mm512_sub_pd(one, v)));
+#ifdef RECFORGE_VEC_F64
+  const VecD vl = vd_set1(l), vh = vd_set1(h), one = vd_set1(1.0);
+  auto vec = [vl, vh, one](VecD v) {
+    v = vd_blend_gt(vd_blend_lt(v, vl), vh);
+    return vd_log(vd_div(v, vd_sub(one, v)));
   };
   map_f64(x, o, n, scalar, vec);
 #else
@@ -396,11 +583,8 @@ std::vector<Tensor> logit(at::TensorList xs, at::ArrayRef<double> lo, at::ArrayR
 // log1p(max(x, 0)) in float64, rounded to float32; NaN stays NaN (counts: a negative count clamps to 0).
 void log1p_run(const float* x, float* o, int64_t n) {
   auto scalar = [](double v) { return std::log1p(v < 0 ? 0.0 : v); };  // NaN fails the test and stays NaN
-#if defined(__AVX512F__)
-  auto vec = [](__m512d v) {
-    const __m512d zero = _mm512_setzero_pd();
-    return Sleef_log1pd8_u10(_mm512_mask_blend_pd(_mm512_cmp_pd_mask(v, zero, _CMP_LT_OQ), v, zero));
-  };
+#ifdef RECFORGE_VEC_F64
+  auto vec = [](VecD v) { return vd_log1p(vd_blend_lt(v, vd_set1(0.0))); };
   map_f64(x, o, n, scalar, vec);
 #else
   map_f64(x, o, n, scalar);
@@ -418,15 +602,14 @@ void boxcox_run(const float* x, float* o, int64_t n, double lam) {
     if (!(v > 0)) return v;  // x <= 0 and NaN unchanged
     return lam == 0 ? std::log(v) : (std::pow(v, lam) - 1.0) / lam;
   };
-#if defined(__AVX512F__)
-  const __m512d vl = _mm512_set1_pd(lam), one = _mm512_set1_pd(1.0);
-  auto vec = [lam, vl, one](__m512d v) {
-    const __mmask8 pos = _mm512_cmp_pd_mask(v, _mm512_setzero_pd(), _CMP_GT_OQ);
-    const __m512d safe = _mm512_mask_blend_pd(pos, one, v);
+#ifdef RECFORGE_VEC_F64
+  const VecD vl = vd_set1(lam), one = vd_set1(1.0);
+  auto vec = [lam, vl, one](VecD v) {
+    const VecD safe = vd_pos_select(v, v, one);
     // x^lam = exp(lam * ln x): in float64 the error stays ~1e-13 relative, far below float32's resolution
-    const __m512d lg = Sleef_logd8_u10(safe);
-    const __m512d y = lam == 0 ? lg : _mm512_div_pd(_mm512_sub_pd(Sleef_expd8_u10(_mm512_mul_pd(vl, lg)), one), vl);
-    return _mm512_mask_blend_pd(pos, v, y);
+    const VecD lg = vd_log(safe);
+    const VecD y = lam == 0 ? lg : vd_div(vd_sub(vd_exp(vd_mul(vl, lg)), one), vl);
+    return vd_pos_select(v, y, v);
   };
   map_f64(x, o, n, scalar, vec);
 #else
@@ -651,6 +834,7 @@ enum ChainCode : int64_t {
 struct ChainStep {
   int64_t code, i0, i1;
   double f0, f1;
+  ModMagic mod;  // SIGRID_HASH: i1's magic numbers, computed once per call
 };
 
 struct ChainFeature {
@@ -674,16 +858,43 @@ void run_chain(const ChainFeature& cf, const ChainStep* steps, int64_t r0, int64
   alignas(64) bool valid[kChainRows];
   alignas(64) int32_t idx[kChainRows];
   const bool f64 = cf.raw_f64 != nullptr;
-  for (int64_t r = 0; r < n; ++r) {
-    if (f64)
-      raw_f64[r] = cf.raw_f64[(r0 + r) * cf.raw_stride];
-    else
-      raw[r] = cf.raw[(r0 + r) * cf.raw_stride];
-    valid[r] = cf.valid[(r0 + r) * cf.raw_stride];
-  }
+  const int64_t st_ = cf.raw_stride;
   int fi = 0, ii = 0;  // the current float / id buffer
   bool is_float = false;
-  for (int64_t k = cf.first_step; k < cf.end_step; ++k) {
+  int64_t first = cf.first_step;
+  // A chain that starts with fill_null (every plan's does) gathers its column and fills in one pass: the same
+  // select_value per row as fill_run, without the copy of the raw values and flags into L1 first.
+  int64_t code0 = first < cf.end_step ? steps[first].code : -1;
+  for (int64_t k = first + 1; k < cf.end_step; ++k)  // a later fill re-reads the raw values: gather them first
+    if (steps[k].code == FILL_FLOAT || steps[k].code == FILL_ID) code0 = -1;
+  if (code0 == FILL_FLOAT && f64) {
+    const float fill = (float)steps[first].f0;
+    const double* __restrict x = cf.raw_f64 + r0 * st_;
+    const bool* __restrict v = cf.valid + r0 * st_;
+    for (int64_t r = 0; r < n; ++r) fl[0][r] = select_value(v[r * st_], x[r * st_], fill);
+    is_float = true, ++first;
+  } else if (code0 == FILL_FLOAT) {
+    const float fill = (float)steps[first].f0;
+    const int64_t* __restrict x = cf.raw + r0 * st_;
+    const bool* __restrict v = cf.valid + r0 * st_;
+    for (int64_t r = 0; r < n; ++r) fl[0][r] = select_value(v[r * st_], x[r * st_], fill);
+    is_float = true, ++first;
+  } else if (code0 == FILL_ID && !f64) {
+    const int64_t fill = (int64_t)steps[first].f0;
+    const int64_t* __restrict x = cf.raw + r0 * st_;
+    const bool* __restrict v = cf.valid + r0 * st_;
+    for (int64_t r = 0; r < n; ++r) id[0][r] = select_value(v[r * st_], x[r * st_], fill);
+    ++first;
+  } else {
+    for (int64_t r = 0; r < n; ++r) {
+      if (f64)
+        raw_f64[r] = cf.raw_f64[(r0 + r) * st_];
+      else
+        raw[r] = cf.raw[(r0 + r) * st_];
+      valid[r] = cf.valid[(r0 + r) * st_];
+    }
+  }
+  for (int64_t k = first; k < cf.end_step; ++k) {
     const ChainStep& st = steps[k];
     float* fx = fl[fi];
     float* fo = fl[fi ^ 1];
@@ -706,7 +917,7 @@ void run_chain(const ChainFeature& cf, const ChainStep* steps, int64_t r0, int64
       case LOG1P: log1p_run(fx, fo, n); fi ^= 1; break;
       case CLAMP_FLOAT: clamp_float_run(fx, fo, n, (float)st.f0, (float)st.f1); fi ^= 1; break;
       case CLAMP_ID: clamp_id_run(ix, io, n, st.i0, st.i1); ii ^= 1; break;
-      case SIGRID_HASH: sigrid_hash_block(ix, io, n, (uint64_t)st.i0, (uint64_t)st.i1); ii ^= 1; break;
+      case SIGRID_HASH: sigrid_hash_block(ix, io, n, (uint64_t)st.i0, st.mod); ii ^= 1; break;
       case BUCKETIZE: bucketize_run(fx, id[ii], n, borders + st.i0, st.i1 - st.i0); is_float = false; break;
       case MAPID: mapid_run(ix, io, n, table + st.i0, st.i1 - st.i0); ii ^= 1; break;
       case CAST_FLOAT: cast_float_run(ix, fl[fi], n); is_float = true; break;
@@ -760,7 +971,13 @@ std::vector<Tensor> chain(const Tensor& dense_raw, const Tensor& dense_valid, co
   Tensor borders = borders_.to(at::kFloat).contiguous();
   Tensor table = table_.to(at::kLong).contiguous();
   std::vector<ChainStep> steps(S);
-  for (int64_t k = 0; k < S; ++k) steps[k] = {codes[k], i0[k], i1[k], f0[k], f1[k]};
+  for (int64_t k = 0; k < S; ++k) {
+    steps[k] = {codes[k], i0[k], i1[k], f0[k], f1[k], {1, 0, 0, true}};
+    if (codes[k] == SIGRID_HASH) {
+      TORCH_CHECK(i1[k] >= 1, "chain: sigrid_hash modulus must be >= 1");
+      steps[k].mod = mod_magic((uint64_t)i1[k]);
+    }
+  }
   std::vector<ChainFeature> feats(F);
   for (int64_t f = 0; f < F; ++f) {
     const int64_t kind = src_kind[f];
@@ -827,6 +1044,8 @@ TORCH_LIBRARY(recforge_cpu, m) {
   m.def("ngram(Tensor[] xs, int[] n) -> Tensor[]", &ngram);
   m.def("firstx_jagged(Tensor[] values, Tensor[] lengths, int[] X) -> Tensor[]", &firstx_jagged);
   m.def("ngram_jagged(Tensor[] values, Tensor[] lengths, int[] n) -> Tensor[]", &ngram_jagged);
+  m.def("floor_mod(Tensor h, int d, int method) -> Tensor", &floor_mod);
+  m.def("limit_loop(Tensor x, Tensor y, Tensor(a!) o, int kind, int d, int reps) -> float", &limit_loop);
   m.def("chain(Tensor dense_raw, Tensor dense_valid, Tensor sparse_raw, Tensor sparse_valid, int[] src_kind, "
         "int[] src_col, int[] out_kind, int[] out_slot, int[] step_offsets, int[] codes, float[] f0, float[] f1, "
         "int[] i0, int[] i1, Tensor borders, Tensor table, int num_dense, int num_sparse) -> Tensor[]",

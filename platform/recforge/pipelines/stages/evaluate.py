@@ -2,7 +2,11 @@
 
 A model whose logits or metrics are NaN/inf fails the stage (recforge.train.metrics.NonFiniteMetricsError): it is
 never recorded as evaluated. A champion that cannot be loaded or scored is recorded with the reason; the gate then
-decides on the absolute checks alone (docs/champion_gate.md)."""
+decides on the absolute checks alone (docs/champion_gate.md).
+
+Both scores stream the held-out day (stream_metrics): a slab of rows at a time, logloss summed exactly and the AUC
+from fixed-size probability bins, so a day of any size is scored in flat memory
+(docs/performance.md#the-daily-pipeline-at-scale)."""
 from __future__ import annotations
 
 import logging
@@ -18,6 +22,7 @@ from recforge.pipelines.stages.train import load_trained
 log = logging.getLogger("recforge.pipelines")
 
 BATCH_SIZE = 4096
+SLAB_ROWS = 65536  # rows read from a shard at once by stream_metrics
 PLAN_ARTIFACT = "plan/preprocess_plan.json"  # publish logs the plan a registered model was trained on here
 
 
@@ -32,12 +37,11 @@ def evaluate(ctx: RunContext) -> EvaluateOutputs:
     def body(w, store, run_id):
         from recforge.preprocess.executor import TorchExecutor  # lazy: torch off the UI/CLI import path
         from recforge.train.metrics import NonFiniteMetricsError  # lazy: torch off the UI/CLI import path
-        from recforge.train.metrics import evaluate as evaluate_model  # lazy: torch off the UI/CLI import path
 
         model, plan = load_trained(ctx)  # a checkpoint that fails its checks raises here: the stage fails
         executor = TorchExecutor(plan, ctx.config.dataset())
         try:
-            metrics = evaluate_model(model, executor, data.holdout.manifest_dir, batch_size=BATCH_SIZE)
+            metrics = stream_metrics(model, executor, data.holdout.manifest_dir, batch_size=BATCH_SIZE)
         except NonFiniteMetricsError as e:
             raise NonFiniteModelError(f"evaluate: the trained model of run {ctx.run_key} "
                                       f"({ctx.read(TrainOutputs).checkpoint_dir}) cannot be evaluated: {e}") from e
@@ -47,6 +51,7 @@ def evaluate(ctx: RunContext) -> EvaluateOutputs:
                               champion_version=version, champion_problem=problem)
         store.log_metrics(run_id, out.model_dump(include={"auc", "logloss", "ne", "rows", "auc_ceiling"},
                                                  exclude_none=True))
+        store.log_metrics(run_id, {"auc_bin_error_bound": metrics["auc_error_bound"]})
         log_champion(store, run_id, version, score, problem)
         return out
 
@@ -62,7 +67,6 @@ def score_champion(ctx: RunContext, store: Any,
     from recforge.preprocess.executor import TorchExecutor  # lazy: torch off the UI/CLI import path
     from recforge.preprocess.planning.plan import Plan  # lazy: as above
     from recforge.tracking.registry import ModelRegistry  # lazy: mlflow off the UI/CLI import path
-    from recforge.train.metrics import evaluate as evaluate_model  # lazy: torch off the UI/CLI import path
 
     registry = ModelRegistry(store, REGISTERED_MODEL)
     ref = registry.champion_ref()
@@ -78,12 +82,78 @@ def score_champion(ctx: RunContext, store: Any,
         step = "loading its model"
         model = registry.load(ref.version)
         step = "scoring it"
-        m = evaluate_model(model, TorchExecutor(plan, dataset), holdout, batch_size=BATCH_SIZE)
+        m = stream_metrics(model, TorchExecutor(plan, dataset), holdout, batch_size=BATCH_SIZE)
     except Exception as e:  # any of these leaves the champion unscored, with the reason; the gate decides
         problem = f"{step}: {type(e).__name__}: {str(e)[:400]}"
         log.warning("champion v%s could not be scored on %s (%s)", ref.version, holdout, problem)
         return ref.version, None, problem
     return ref.version, ChampionScore(version=ref.version, auc=m["auc"], logloss=m["logloss"], rows=m["rows"]), None
+
+
+def stream_metrics(model: Any, executor: Any, manifest_dir: str | Path, batch_size: int = BATCH_SIZE,
+                   slab_rows: int = SLAB_ROWS) -> dict[str, float]:
+    """{auc, logloss, ne, rows, auc_error_bound} of `model` (logits out) on every row of the manifest, read
+    `slab_rows` at a time (recforge.data.shards.read_rows) and scored `batch_size` rows at a time: memory does not
+    grow with the day. logloss and NE are summed exactly; the AUC comes from recforge.data.generator.StreamingAuc
+    (within auc_error_bound of the rank AUC). NonFiniteMetricsError on a NaN/inf logit (naming the row)."""
+    import numpy as np  # lazy: numpy off the UI/CLI import path
+    import torch  # lazy: torch off the UI/CLI import path
+
+    from recforge.data.generator import StreamingAuc  # lazy: pyarrow off the UI/CLI import path
+    from recforge.data.shards import open_manifest, read_rows  # lazy: pyarrow off the UI/CLI import path
+    from recforge.preprocess.batch import RawBatch  # lazy: torch off the UI/CLI import path
+    from recforge.train.loop.batches import slice_raw  # lazy: torch off the UI/CLI import path
+    from recforge.train.metrics import NonFiniteMetricsError  # lazy: torch off the UI/CLI import path
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    slab_rows = max(batch_size, slab_rows // batch_size * batch_size)
+    manifest = open_manifest(manifest_dir)
+    scored = StreamingAuc()
+    rows = positives = 0
+    loss_sum = 0.0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for i, shard in enumerate(manifest.shards):
+                for lo in range(0, shard.rows, slab_rows):
+                    slab = RawBatch.from_arrow(read_rows(manifest_dir, i, lo, min(lo + slab_rows, shard.rows)),
+                                               manifest.dataset)
+                    for start in range(0, slab.rows, batch_size):
+                        raw = slice_raw(slab, start, min(start + batch_size, slab.rows))
+                        z = model(*executor(raw)).reshape(-1).double().cpu().numpy()
+                        y = raw.label.numpy().astype(np.float64).reshape(-1)
+                        bad = ~np.isfinite(z)
+                        if bad.any():
+                            first = int(np.flatnonzero(bad)[0])
+                            raise NonFiniteMetricsError(
+                                f"the model's logits are not finite on {int(bad.sum())} of {z.size} rows of shard "
+                                f"{shard.path} of {manifest_dir} (first: row {lo + start + first}, {z[first]}): "
+                                "its weights hold NaN/inf; no metric is recorded for it")
+                        if not np.isin(y, (0.0, 1.0)).all():
+                            raise ValueError(f"labels must be 0 or 1 (shard {shard.path} of {manifest_dir}, "
+                                             f"rows {lo + start}..{lo + start + y.size - 1})")
+                        loss_sum += float((np.logaddexp(0.0, z) - y * z).sum())
+                        scored.update(y, 1.0 / (1.0 + np.exp(-z)))
+                        rows += y.size
+                        positives += int(y.sum())
+    finally:
+        model.train(was_training)
+    if rows == 0:
+        raise ValueError(f"manifest {manifest_dir} has no rows to evaluate")
+    if positives in (0, rows):
+        raise ValueError(f"the held-out rows of {manifest_dir} have only one label ({positives} of {rows} positive): "
+                         "AUC and normalized entropy need both")
+    rate = positives / rows
+    logloss = loss_sum / rows
+    out = {"auc": scored.auc(), "logloss": logloss,
+           "ne": logloss / -(rate * np.log(rate) + (1 - rate) * np.log(1 - rate)), "rows": rows,
+           "auc_error_bound": scored.error_bound()}
+    nonfinite = {k: v for k, v in out.items() if not np.isfinite(v)}
+    if nonfinite:
+        raise NonFiniteMetricsError(f"metrics {nonfinite} on {manifest_dir} are not finite")
+    return out
 
 
 def log_champion(store: Any, run_id: str, version: str | None, score: ChampionScore | None,

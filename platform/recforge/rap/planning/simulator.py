@@ -162,3 +162,13 @@ def simulate(setup: SimSetup) -> SimResult:
 def cost_model_kernel_cost(model, source_width: Mapping[str, float] | None = None) -> KernelCost:
     """KernelCost from a fitted recforge.rap.profiling.cost_model.CostModel."""
     return lambda compiled, group, rows: predict_group(model, compiled, group, rows, source_width)
+
+
+def corun_thread_iteration_ms(duration_ms: Mapping[str, float], capacity_ms: Mapping[str, float], work_ms: float,
+                              start: str = STAGES[0]) -> float:
+    """Iteration time when all of `work_ms` starts at stage `start` on a co-run thread of its own (CPU): the work is
+    not confined to a stage, it runs on through the later ones, so it is hidden up to the capacity of `start` and
+    every stage after it and the rest serializes (RAP's stage model summed over the stages it spans)."""
+    spans = STAGES[STAGES.index(start):]
+    return sum(duration_ms[s] for s in STAGES) + max(0.0, work_ms - sum(capacity_ms[s] for s in spans))
+

@@ -186,6 +186,9 @@ class CorunRuntime:
         for ji, parts in enumerate(self.job_parts):
             for p in parts:
                 self._by_stage[p.assignment.stage][ji].append(p)
+        # per job: the stage where it runs as one executor call (every group whole in that stage), else None
+        self.whole_stage: tuple[str | None, ...] = tuple(self._whole_stage(j, p) for j, p in
+                                                         zip(self.jobs, self.job_parts, strict=True))
         self._current: _Cycle | None = None
         self.cycles: list[CycleTiming] = []
 
@@ -203,6 +206,16 @@ class CorunRuntime:
             if len(self.jobs) == 1:
                 raise
             raise ScheduleError(f"job {index} ({job.name!r}, plan {job.executor.compiled.plan.name!r}): {e}") from None
+
+    def _whole_stage(self, job: CorunJob, parts: list[ExecPart]) -> str | None:
+        """On CPU, the one stage holding every fused group of `job` whole: there the co-run thread runs the batch
+        as `job.executor(raw)`, the executor's single pass where it has one (one pass over the rows, where one call
+        per group makes a pass per group); the output is the same. None: the parts run one by one."""
+        stages = {p.assignment.stage for p in parts}
+        n = len(job.executor.compiled.groups)
+        if self.device.type != "cpu" or len(stages) != 1 or sorted(p.key for p in parts) != list(range(n)):
+            return None
+        return stages.pop()
 
     # ------------------------------------------------------------------ single-job views
 
@@ -305,6 +318,7 @@ class CorunRuntime:
 
     def _run_parts(self, cycle: _Cycle, raws: list[RawBatch]) -> list[Output]:
         vals: list[dict] = [{} for _ in self.jobs]
+        whole: dict[int, Output] = {}  # jobs run as one executor call
         job_ms = cycle.timing.job_run_ms
         with torch.no_grad():
             for stage in self.stages:
@@ -319,12 +333,18 @@ class CorunRuntime:
                     if not parts:
                         continue
                     tj, executor = time.perf_counter(), self.jobs[ji].executor
-                    for p in parts:
-                        executor.run_group(p.key, p.group, raws[ji], vals[ji])
+                    if self.whole_stage[ji] == stage:
+                        whole[ji] = executor(raws[ji])
+                    else:
+                        for p in parts:
+                            executor.run_group(p.key, p.group, raws[ji], vals[ji])
                     job_ms[ji] += (time.perf_counter() - tj) * 1e3
                 cycle.timing.run_ms[stage] = (time.perf_counter() - t0) * 1e3
             results = []
-            for job, raw, v in zip(self.jobs, raws, vals, strict=True):
+            for ji, (job, raw, v) in enumerate(zip(self.jobs, raws, vals, strict=True)):
+                if ji in whole:
+                    results.append(whole[ji])
+                    continue
                 compiled = job.executor.compiled
                 outputs = {f: v[n] for f, n in compiled.graph.outputs.items()}
                 results.append(finish(job.executor.plan, outputs, raw.rows, raw.dense.device))

@@ -1,0 +1,147 @@
+"""bench/bench_rap_share.py's logic (candidates, the choice of points by share, refusal of what the machine cannot
+hold, RAP's prediction fields, the plot) and what it needed in rap/: a job whose groups all run whole in one stage
+runs there as one executor call (the single pass), and kernel costs scaled to the whole batch's time."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from recforge.config import DatasetConfig, DenseFeature, SparseFeature
+from recforge.preprocess.executor import make_executor
+from recforge.preprocess.executors import record
+from recforge.preprocess.planning.plan import criteo_plan
+from recforge.preprocess.synth import random_raw_batch
+from recforge.rap.planning.job_schedule import batch_scaled
+from recforge.rap.planning.schedule import whole_kernel_schedule
+from recforge.rap.profiling.profile_job import single_rank_group
+from recforge.rap.runtime.corun_runtime import CorunRuntime
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_rap_share.py"
+DS = DatasetConfig(
+    name="rap_share_tiny",
+    dense=[DenseFeature(name=f"I{i}", missing_rate=0.2) for i in range(1, 4)],
+    sparse=[SparseFeature(name=f"C{i}", cardinality=c, missing_rate=0.1) for i, c in enumerate([50, 300, 7], 1)],
+)
+PLAN = criteo_plan(DS, table_cap=64)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH.parent))  # the script imports its siblings (_results, bench_rap)
+    spec = importlib.util.spec_from_file_location("bench_rap_share_under_test", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_candidates_are_the_grid_and_bad_names_are_refused(bench):
+    got = bench.parse_candidates("plan0,plan2", "tiny,micro", "512,2048", "single,grouped")
+    assert len(got) == 16 and got[0] == bench.Candidate("plan0", "tiny", 512, "single")
+    assert got[-1].name == "plan2/micro/b2048/grouped"
+    with pytest.raises(ValueError, match=r"unknown model size\(s\) \['huge'\]"):
+        bench.parse_candidates("plan0", "huge", "512")
+    with pytest.raises(ValueError, match="--forms"):
+        bench.parse_candidates("plan0", "tiny", "512", "unfused")
+    with pytest.raises(ValueError, match="positive batch"):
+        bench.parse_candidates("plan0", "tiny", "0")
+
+
+def test_points_are_the_closest_shares_each_used_once(bench):
+    c = [bench.Candidate("plan0", m, 512) for m in ("small", "tiny", "micro")]
+    shares = {c[0]: 0.02, c[1]: 0.2, c[2]: 0.45}
+    got = bench.choose_points(shares, [0.03, 0.28, 0.5])
+    assert got == [(0.03, c[0]), (0.28, c[1]), (0.5, c[2])]
+    # two targets nearest the same candidate: the second gets the next closest (log space: 0.2 is nearer 0.05
+    # than 0.02 is: |log 4| < |log 2.5| is false, so 0.02 first, then 0.2)
+    assert bench.choose_points(shares, [0.05, 0.06]) == [(0.05, c[0]), (0.06, c[1])]
+    assert len(bench.choose_points({c[0]: 0.1}, [0.1, 0.5])) == 1  # fewer candidates than targets
+    with pytest.raises(ValueError, match=r"in \(0, 1\)"):
+        bench.choose_points(shares, [0.3, 1.5])
+
+
+def test_a_configuration_beyond_the_machine_is_refused_before_it_runs(bench):
+    small = [bench.Candidate("plan0", "micro", 256)]
+    bench.check_machine(small, 1, 1 if (os.cpu_count() or 1) > 1 else 0, 256 * 4)  # fits: no error
+    cores = os.cpu_count() or 1
+    with pytest.raises(SystemExit, match=rf"os.cpu_count\(\) = {cores} cores"):
+        bench.check_machine(small, cores, 1, 256)
+    with pytest.raises(SystemExit, match=r"psutil.virtual_memory\(\).available"):
+        bench.check_machine(small, 1, 0, 10**13)  # 10^13 rows held in memory
+
+
+def test_rap_prediction_fields_of_a_small_point(bench):
+    point_c = bench.Candidate("plan0", "micro", 64, "grouped")
+    before = torch.get_num_threads()
+    with single_rank_group():
+        point = bench.Point(point_c, seed=0)
+        sched, pred = bench.predict(point, threads=1, corun_threads=1, steps_per_point=1, threshold=0.1)
+    assert torch.get_num_threads() == before
+    assert {a.group for a in sched.assignments} == {g.name for g in point.executor.compiled.groups}
+    assert pred["corun_step_ms"] >= pred["ideal_step_ms"] - 1e-6  # hidden or serialized, never below training
+    assert pred["inline_step_ms"] == pytest.approx(pred["ideal_step_ms"] + pred["inline_preprocess_ms"])
+    assert 0.0 <= pred["hidden_fraction"] <= 1.0
+    assert pred["corun_vs_ideal"] == pytest.approx(pred["ideal_step_ms"] / pred["corun_step_ms"])
+    assert set(pred["stage_ms"]) == set(pred["capacity_ms"]) == {"emb_fwd", "mlp_fwd", "mlp_bwd", "emb_bwd",
+                                                                  "allreduce"}
+
+
+def test_plot_writes_the_png(bench, tmp_path):
+    def pt(name, share, ratio):
+        m = {"corun_vs_ideal": ratio, "corun_vs_inline": 1.1, "inline_vs_ideal": 0.8, "corun_early_vs_ideal": 0.9,
+             "corun_early_vs_inline": 1.2}
+        return {"name": name, "share": share, "measured": m,
+                "predicted": {"corun_vs_ideal": 0.95, "corun_vs_inline": 1.2, "corun_early_vs_inline": 1.3}}
+
+    out = tmp_path / "rap_share.png"
+    bench.plot([pt("b", 0.3, 0.85), pt("a", 0.03, 0.97)], out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_job_whole_in_one_stage_runs_as_one_single_pass_call():
+    executor = make_executor("fused", PLAN, DS)
+    raw = random_raw_batch(DS, 40, seed=3)
+    want_dense, want_kjt = make_executor("fused", PLAN, DS)(raw)
+    runtime = CorunRuntime(executor, whole_kernel_schedule(executor.compiled, "emb_fwd"), "cpu", threads=1)
+    try:
+        assert runtime.whole_stage == ("emb_fwd",)
+        before = record.mark()
+        dense, kjt = runtime.launch(raw).result()
+        got = record.since(before)
+    finally:
+        runtime.close()
+    assert torch.equal(dense, want_dense) and torch.equal(kjt.values(), want_kjt.values())
+    assert torch.equal(kjt.lengths(), want_kjt.lengths()) and kjt.keys() == want_kjt.keys()
+    assert got["batches"] == {"cpp_single_pass": 1} and not got["group_calls"]
+    assert runtime.cycles[0].run_ms.keys() == {"emb_fwd"}
+
+
+def test_a_job_spread_over_stages_runs_group_by_group():
+    executor = make_executor("fused", PLAN, DS)
+    sched = whole_kernel_schedule(executor.compiled, "emb_fwd")
+    last = sched.assignments[-1]  # the last group (nothing after it reads it) moves to a later stage
+    sched.assignments[-1] = type(last)("allreduce", last.group, last.features, last.predicted_ms)
+    runtime = CorunRuntime(executor, sched, "cpu", threads=1)
+    try:
+        assert runtime.whole_stage == (None,)
+        raw = random_raw_batch(DS, 40, seed=4)
+        dense, _ = runtime.launch(raw).result()
+    finally:
+        runtime.close()
+    assert torch.equal(dense, make_executor("fused", PLAN, DS)(raw)[0])
+
+
+def test_kernel_costs_are_scaled_up_to_the_whole_batch_never_down():
+    compiled = make_executor("fused", PLAN, DS).compiled
+    per = {g.nodes: 0.5 + i for i, g in enumerate(compiled.groups)}
+    total = sum(per.values())
+    up = batch_scaled(lambda g: per[g.nodes], compiled, 3 * total)
+    assert sum(up(g) for g in compiled.groups) == pytest.approx(3 * total)
+    same = batch_scaled(lambda g: per[g.nodes], compiled, total / 2)
+    assert [same(g) for g in compiled.groups] == [per[g.nodes] for g in compiled.groups]
