@@ -113,7 +113,20 @@ class InstabilityStage:
     def _smaller(self, plan: PodPlan) -> PodPlan:
         lim, floor = self.limits, self.limits.min_memory_per_pod
         if plan.workers > 1:
-            return replace(plan, workers=max(1, plan.workers // 2))
+            fewer = replace(plan, workers=max(1, plan.workers // 2))
+            if self.job.parameter_server or not self.job.table_bytes:
+                return fewer
+            # sharded embeddings: half the workers hold twice the shard each; a relaunch that kept the pod
+            # memory would run out of it as soon as it started
+            grown = (embedding_shard_bytes(self.job.table_bytes, fewer.workers)
+                     - embedding_shard_bytes(self.job.table_bytes, plan.workers)) * self.cfg.memory_margin
+            mem = plan.memory_per_worker + max(grown, 0.0)
+            if mem <= min(self.cfg.memory_cap_bytes, lim.max_memory_per_pod):
+                return replace(fewer, memory_per_worker=mem)
+            # the bigger shard does not fit a pod: keep the workers, halve the cores
+            if plan.cpu_per_worker > lim.min_cpu_per_worker:
+                return replace(plan, cpu_per_worker=max(lim.min_cpu_per_worker, math.floor(plan.cpu_per_worker / 2)))
+            return plan
         if plan.cpu_per_worker > lim.min_cpu_per_worker:
             return replace(plan, cpu_per_worker=max(lim.min_cpu_per_worker, math.floor(plan.cpu_per_worker / 2)),
                            memory_per_worker=max(floor, plan.memory_per_worker / 2))

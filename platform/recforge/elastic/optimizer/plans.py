@@ -121,6 +121,9 @@ class OptimizerConfig:
     cpu_headroom: float = 1.25
     worker_memory_margin: float = 1.5  # DLRover's worker memory margin (servers use memory_margin)
     max_pending_relaunches: int = 2
+    relaunch_s: float = 0.0            # ours: the pause a plan change costs a synchronous job (checkpoint, stop,
+                                       # relaunch); > 0: stage 2 scales only when the predicted time saved on
+                                       # the samples left exceeds it (0: DLRover's rule alone)
 
 
 @dataclass

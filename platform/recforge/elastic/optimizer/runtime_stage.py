@@ -85,6 +85,16 @@ class RuntimeStage:
             return self._hold(f"search failed ({describe(e)}): keeping the plan", obs, action="fallback")
         if plan == obs.plan:
             moves, notes = [], []
+        payoff = ""
+        if moves and self.cfg.relaunch_s > 0:
+            saved = self._time_saved(obs, model.predict(start.allocation(self.job.host_cores)),
+                                     model.predict(plan.allocation(self.job.host_cores)))
+            if saved is not None and saved <= self.cfg.relaunch_s:  # not worth its relaunch: right-size alone
+                payoff = (f"payoff: {len(moves)} unit move(s) would save {saved:.0f}s of the samples left, not "
+                          f"more than the {self.cfg.relaunch_s:.0f}s a relaunch costs")
+                moves, plan = [], start
+                if notes and plan != obs.plan:
+                    notes.append(payoff)
         if not moves and notes and plan != obs.plan:
             self.last_change_s = obs.time_s
             if plan.servers != obs.plan.servers or plan.cpu_per_server != obs.plan.cpu_per_server:
@@ -97,6 +107,9 @@ class RuntimeStage:
                           prediction={"samples_per_s_now": model.predict(obs.plan.allocation(self.job.host_cores)),
                                       "samples_per_s_after": model.predict(plan.allocation(self.job.host_cores))},
                           plan_before=obs.plan.to_dict(), plan_after=plan.to_dict(), time_s=obs.time_s)]
+        if payoff:
+            return self._hold(payoff, obs,
+                              prediction={"samples_per_s": model.predict(obs.plan.allocation(self.job.host_cores))})
         if not moves:
             grow, shrink = best_moves(obs.plan, model, self.limits, self.cfg, self.job, self.memory,
                                       allow_servers=allow_servers, frozen=self._idle_groups(obs))
@@ -104,12 +117,12 @@ class RuntimeStage:
                    if grow is not None else "no growth fits the limits")
             return self._hold(why, obs,
                               prediction={"samples_per_s": model.predict(obs.plan.allocation(self.job.host_cores))})
+        pred_now = model.predict(obs.plan.allocation(self.job.host_cores))
+        pred_new = model.predict(plan.allocation(self.job.host_cores))
         self.last_change_s = obs.time_s
         if any("server" in m.action for m in moves):
             self.last_server_change_s = obs.time_s
         self._last_hold = ""
-        pred_now = model.predict(obs.plan.allocation(self.job.host_cores))
-        pred_new = model.predict(plan.allocation(self.job.host_cores))
         return [Event("runtime", "+".join((["rightsize"] if notes else []) + [m.action for m in moves]),
                       ("; ".join(notes) + "; then " if notes else "")
                       + f"{len(moves)} unit move(s), marginal ratios {[round(m.ratio, 3) for m in moves]} "
@@ -119,6 +132,13 @@ class RuntimeStage:
                       prediction={"samples_per_s_now": pred_now, "samples_per_s_after": pred_new,
                                   "cost_now": plan_cost(obs.plan, self.cfg), "cost_after": plan_cost(plan, self.cfg)},
                       plan_before=obs.plan.to_dict(), plan_after=plan.to_dict(), time_s=obs.time_s)]
+
+    def _time_saved(self, obs: Observation, pred_now: float, pred_new: float) -> float | None:
+        """Predicted seconds a scaling saves on the job's samples left (None: the rule is off or cannot tell)."""
+        if self.cfg.relaunch_s <= 0 or obs.total_steps is None or not (pred_now > 0 and pred_new > 0):
+            return None
+        left = max(obs.total_steps - obs.step, 0.0) * obs.plan.batch_size
+        return left / pred_now - left / pred_new
 
     def _idle_groups(self, obs: Observation) -> frozenset[str]:
         """Measured utilization beats the model: no more cores for pods that leave theirs idle."""

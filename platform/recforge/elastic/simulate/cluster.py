@@ -3,6 +3,9 @@
 Free capacity lives in numpy arrays: finding the nodes a pod fits on is one vectorised comparison, and
 identical pods (a job's workers) fill a node as far as it holds them before the next node is looked up,
 so placing a job costs O(nodes) in C plus O(nodes used) in Python, not O(pods x nodes) in Python.
+Most placements a scheduling pass tries fail; histograms of the nodes' free cores (whole cores) and free
+memory (whole GiB) bound how many pods of a shape the cluster holds in O(node size), so a placement that
+cannot succeed is refused before the O(nodes) scan (an upper bound: it never refuses one that fits).
 """
 from __future__ import annotations
 
@@ -25,13 +28,53 @@ class ClusterSpec:
 
 
 class Cluster:
-    def __init__(self, spec: ClusterSpec = ClusterSpec()) -> None:
+    def __init__(self, spec: ClusterSpec = ClusterSpec(), bound: bool = True) -> None:
         self.spec = spec
         self.free_cpu = np.full(spec.nodes, float(spec.cpu_per_node))
         self.free_mem = np.full(spec.nodes, float(spec.memory_per_node))
         self.free_cpu_total = float(spec.cpu_per_node) * spec.nodes
         self.free_mem_total = float(spec.memory_per_node) * spec.nodes
         self._start = 0
+        self.bound = bound
+        # nodes per free-capacity bucket, rounded up (whole cores, whole GiB): the bound in `_may_fit`
+        self._kc, self._km = int(np.ceil(spec.cpu_per_node)) + 2, int(np.ceil(spec.memory_per_node / GiB)) + 2
+        self._hc = np.bincount(self._bc(self.free_cpu), minlength=self._kc)
+        self._hm = np.bincount(self._bm(self.free_mem), minlength=self._km)
+        self._vc = np.arange(self._kc, dtype=float) + 1e-6
+        self._vm = np.arange(self._km, dtype=float) * GiB + 1.0
+
+    def _bc(self, fc: np.ndarray) -> np.ndarray:
+        return np.clip(np.ceil(fc - 1e-7), 0, self._kc - 1).astype(np.int64)
+
+    def _bm(self, fm: np.ndarray) -> np.ndarray:
+        return np.clip(np.ceil((fm - 1e-3) / GiB), 0, self._km - 1).astype(np.int64)
+
+    def _hist(self, nodes, sign: int) -> None:
+        """Take `nodes` (distinct) out of the bucket histograms (sign -1) or put them back (+1)."""
+        if self.bound:
+            self._hc += sign * np.bincount(self._bc(self.free_cpu[nodes]), minlength=self._kc)
+            self._hm += sign * np.bincount(self._bm(self.free_mem[nodes]), minlength=self._km)
+
+    def _change(self, nodes, dc, dm) -> None:
+        """free[nodes] += (dc, dm) for distinct nodes, keeping the bucket histograms in step."""
+        self._hist(nodes, -1)
+        self.free_cpu[nodes] += dc
+        self.free_mem[nodes] += dm
+        self._hist(nodes, 1)
+
+    def _per_pod(self, pods: list[tuple[float, float]], where: list[int], sign: int) -> None:
+        nodes = sorted(set(where))
+        self._hist(nodes, -1)
+        for (c, m), j in zip(pods, where, strict=True):  # one pod at a time: the same float sums as ever
+            self.free_cpu[j] += sign * c
+            self.free_mem[j] += sign * m
+        self._hist(nodes, 1)
+
+    def _may_fit(self, c: float, m: float, n: int) -> bool:
+        """False when `n` pods of (c cores, m bytes) cannot fit, by the buckets (rounded up: a bound)."""
+        if c > 0 and int(self._hc @ np.floor(self._vc / c)) < n:
+            return False
+        return not (m > 0 and int(self._hm @ np.floor(self._vm / m)) < n)
 
     @property
     def capacity_cpu(self) -> float:
@@ -56,6 +99,8 @@ class Cluster:
         tm = sum(m * len(ix) for (_, m), ix in groups.items())
         if tc > self.free_cpu_total + 1e-6 or tm > self.free_mem_total + 1.0:
             return None
+        if self.bound and not all(self._may_fit(c, m, len(ix)) for (c, m), ix in groups.items()):
+            return None
         fc, fm = self.free_cpu, self.free_mem
         taken: list[tuple[np.ndarray, float, float, np.ndarray]] = []
         where = [0] * len(pods)
@@ -78,8 +123,7 @@ class Cluster:
             last = int(np.searchsorted(cum, len(idx)))  # the first nodes in order hold them all
             nodes, k = cand[: last + 1], cap[: last + 1].copy()
             k[-1] -= int(cum[last]) - len(idx)
-            fc[nodes] -= c * k
-            fm[nodes] -= m * k
+            self._change(nodes, -c * k, -m * k)
             taken.append((nodes, c, m, k))
             for i, j in zip(idx, np.repeat(nodes, k).tolist(), strict=True):
                 where[i] = j
@@ -91,20 +135,15 @@ class Cluster:
 
     def _undo(self, taken: list[tuple[np.ndarray, float, float, np.ndarray]]) -> None:
         for nodes, c, m, k in taken:
-            self.free_cpu[nodes] += c * k
-            self.free_mem[nodes] += m * k
+            self._change(nodes, c * k, m * k)
 
     def take(self, pods: list[tuple[float, float]], where: list[int]) -> None:
         """Put pods back exactly where they were (a resize that did not fit keeps the old placement)."""
-        for (c, m), j in zip(pods, where, strict=True):
-            self.free_cpu[j] -= c
-            self.free_mem[j] -= m
+        self._per_pod(pods, where, -1)
         self.free_cpu_total -= sum(c for c, _ in pods)
         self.free_mem_total -= sum(m for _, m in pods)
 
     def release(self, pods: list[tuple[float, float]], where: list[int]) -> None:
-        for (c, m), j in zip(pods, where, strict=True):
-            self.free_cpu[j] += c
-            self.free_mem[j] += m
+        self._per_pod(pods, where, 1)
         self.free_cpu_total += sum(c for c, _ in pods)
         self.free_mem_total += sum(m for _, m in pods)

@@ -503,7 +503,10 @@ class Simulation:
         r.done = r.job.total_samples
         self._end(r, "done", t)
         self._release(r)
-        self.policy.on_finish(r.job, r.plan, {"time": t, "rate": r.rate, "peak_worker_mem": r.job.worker_mem,
+        # the peak RSS a worker reports: a TorchRec worker's includes its embedding shard at the end (not only
+        # the base; a history of bases made every warm start too small for its shard)
+        peak_w = self._truth(r)[3] if r.job.shape == "torchrec" else r.job.worker_mem
+        self.policy.on_finish(r.job, r.plan, {"time": t, "rate": r.rate, "peak_worker_mem": peak_w,
                                               "peak_server_mem": r.peak_server_mem or self._truth(r)[3]})
         self._schedule_pending(t)
 

@@ -355,7 +355,11 @@ class OptimusPolicySim(SimPolicy):
         return out
 
 
-def make_policy(name: str, config: OptimizerConfig = OptimizerConfig()) -> SimPolicy:
+# The optimizer as the simulator configures it: a plan change costs a relaunch of SimParams.resize_pods_s (120 s)
+SIM_CONFIG = OptimizerConfig(relaunch_s=120.0)
+
+
+def make_policy(name: str, config: OptimizerConfig = SIM_CONFIG) -> SimPolicy:
     if name == "static":
         return StaticPolicySim()
     if name == "optimus":
@@ -364,6 +368,8 @@ def make_policy(name: str, config: OptimizerConfig = OptimizerConfig()) -> SimPo
         return OptimusStage2Sim(config)
     if name == "dlrover":
         return DLRoverPolicySim(config)
+    if name == "dlrover-nopayoff":  # DLRover's scaling rule alone, every predicted gain taken
+        return DLRoverPolicySim(replace(config, relaunch_s=0.0))
     if name.startswith("dlrover-"):
         flags = set(name.split("-")[1:])
         unknown = flags - {"nowarm", "nostage3", "nofailover"}

@@ -79,13 +79,11 @@ class Sample:
 
 
 def _cols(allocs: Sequence[Allocation]) -> dict[str, np.ndarray]:
-    w = np.array([a.workers for a in allocs], dtype=float)
-    c = np.array([a.cpu_per_worker for a in allocs], dtype=float)
-    b = np.array([a.batch_size for a in allocs], dtype=float)
-    p = np.array([max(a.servers, 0) for a in allocs], dtype=float)
-    cp = np.array([a.cpu_per_server if a.servers else 1.0 for a in allocs], dtype=float)
-    host = np.array([a.host_cores if a.host_cores else np.inf for a in allocs], dtype=float)
-    return {"w": w, "c": c, "b": b, "p": p, "cp": cp, "host": host}
+    # one array built from tuples, then columns: stage 2 calls this on every report of every job
+    m = np.array([(a.workers, a.cpu_per_worker, a.batch_size, max(a.servers, 0),
+                   a.cpu_per_server if a.servers else 1.0, a.host_cores if a.host_cores else np.inf)
+                  for a in allocs], dtype=float).reshape(-1, 6).T
+    return {"w": m[0], "c": m[1], "b": m[2], "p": m[3], "cp": m[4], "host": m[5]}
 
 
 def _oversub(v: dict[str, np.ndarray]) -> np.ndarray:
