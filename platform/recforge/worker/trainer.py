@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from recforge.preprocess.executor import make_executor
 from recforge.preprocess.executors import record as executed_paths
@@ -26,7 +29,8 @@ from recforge.preprocess.planning.plan import Plan
 from recforge.train.loop.accumulate import train_epoch_accumulated
 from recforge.train.loop.batches import empty
 from recforge.train.loop.ledger import Ledger
-from recforge.train.loop.step_loop import EpochStats, Heartbeat, LoopState, train_epoch
+from recforge.train.loop.prefetch import PrefetchBatches
+from recforge.train.loop.step_loop import EpochStats, Heartbeat, LoopState, PhaseTimes, train_epoch
 from recforge.train.loop.window import GroupStop, WindowHook
 from recforge.train.metrics_sink import AsyncMetricsSink, LogFn
 from recforge.train.model import build_dlrm
@@ -46,6 +50,26 @@ from recforge.worker.init_checkpoint import load_init_checkpoint
 log = logging.getLogger(__name__)
 
 PROBE_FILE = "probe.pt"
+PREFETCH_ENV = "RECFORGE_TRAIN_PREFETCH"  # steps built ahead on the prefetch thread (default 2; 0: off, synchronous)
+PHASES_ENV = "RECFORGE_STEP_PHASES"  # a directory: each rank writes its step loop's time per phase there (profiling)
+DEFAULT_PREFETCH = 2
+# with the prefetch thread, the training thread waits for the GIL after each C++ op the thread overlapped; Python's
+# default 5 ms switch interval would add up to that per wait (the convoy effect), so the worker switches faster
+PREFETCH_SWITCH_INTERVAL_S = 0.0005
+
+
+def prefetch_depth() -> int:
+    """Steps a rank prepares ahead (PrefetchBatches) from env RECFORGE_TRAIN_PREFETCH; 0 turns prefetching off."""
+    raw = os.environ.get(PREFETCH_ENV, "").strip()
+    if not raw:
+        return DEFAULT_PREFETCH
+    try:
+        depth = int(raw)
+    except ValueError:
+        raise ValueError(f"{PREFETCH_ENV}={raw!r}: expected a step count >= 0") from None
+    if depth < 0:
+        raise ValueError(f"{PREFETCH_ENV}={raw!r}: expected a step count >= 0")
+    return depth
 
 
 def tracking_log_fn() -> LogFn | None:
@@ -188,16 +212,26 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
     samples_before = sum(e.samples for e in state.epochs) + (start.current.samples if start.current else 0)
     corun = start_session(spec, plan, sharded, device, mapping=mapping, rank=rank, world_size=world_size,
                           batch_size=micro)  # RAP co-running, else None; created last: the try below closes it
+    depth = prefetch_depth() if corun is None else 0  # RAP's co-run source reads ahead itself
+    # the prefetch thread's per-step all_reduce runs on its own gloo group, beside the model's collectives
+    side_group = dist.new_group(backend="gloo") if depth and world_size > 1 else None
+    if depth:
+        sys.setswitchinterval(PREFETCH_SWITCH_INTERVAL_S)
+    phases = PhaseTimes() if os.environ.get(PHASES_ENV) else None
     ran_before = executed_paths.mark()  # the executor path is counted over the training batches only
     t_train = events.t_train = time.perf_counter()
     try:
         for epoch in range(start.start_epoch, spec.train.epochs):
             client.epoch = epoch
             source = epoch_source(spec, corun, client, executor, micro, device, ledger)  # by spec.preprocessing
+            if depth:  # lease, read, preprocess and the step's counts ahead; done reports off the step's path
+                source = PrefetchBatches(source, accumulation=accumulation, depth=depth, group=side_group,
+                                         world_size=world_size)
             current["source"] = source
             resume = start.current if start.current is not None and start.current.epoch == epoch else None
             common: dict[str, Any] = dict(epoch=epoch, world_size=world_size, log_every=spec.train.log_every,
-                                          heartbeat=heartbeat, sink=sink, rank=rank, resume=resume, on_window=hook)
+                                          heartbeat=heartbeat, sink=sink, rank=rank, resume=resume, on_window=hook,
+                                          phases=phases)
             if accumulation == 1:
                 train_epoch(sharded, source, zero_batch, state, **common)
             else:
@@ -211,11 +245,18 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
         client.close()
         return None
     finally:
+        if isinstance(current["source"], PrefetchBatches):  # a stop or failure mid-epoch: send what was trained
+            try:
+                current["source"].close()
+            except Exception as e:  # the original error (if any) is the one to raise
+                log.warning("prefetch thread: %r", e)
         if ledger is not None:
             ledger.close()
         if corun is not None:
             corun.close()
     train_wall = time.perf_counter() - t_train
+    if phases is not None:
+        write_phases(Path(os.environ[PHASES_ENV]), rank, phases, train_wall, current["source"])
     executed = executed_paths.summarize(spec.preprocess_executor, executed_paths.since(ran_before),
                                         preprocessing=spec.preprocessing, generation=generation, rank=rank)
     if rank == 0:
@@ -302,3 +343,14 @@ def gather_peak_rss(world_size: int) -> list[float]:
     out: list[float | None] = [None] * world_size
     torch.distributed.all_gather_object(out, mine)
     return [float(v or 0.0) for v in out]
+
+
+def write_phases(root: Path, rank: int, phases: PhaseTimes, train_wall_s: float, source: Any) -> None:
+    """This rank's step-loop time per phase (and the prefetch thread's) as <root>/phases_rank<r>.json."""
+    doc: dict[str, Any] = {"rank": rank, "train_wall_s": train_wall_s, **phases.to_dict()}
+    if isinstance(source, PrefetchBatches):
+        doc["prefetch_thread_s"] = dict(source.thread_s)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".phases_rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, root / f"phases_rank{rank}.json")

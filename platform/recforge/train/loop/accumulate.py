@@ -16,11 +16,12 @@ from __future__ import annotations
 from typing import Any
 
 from recforge.train.loop.batches import Batch, TaskBatches
+from recforge.train.loop.prefetch import PrefetchBatches
 from recforge.train.loop.step_loop import EpochStats, LoopState, train_epoch
 from recforge.train.sharding import ShardedModel
 
 
-def train_epoch_accumulated(sharded: ShardedModel, source: TaskBatches, empty_batch: Batch, state: LoopState, *,
-                            accumulation: int, **loop_kwargs: Any) -> EpochStats:
+def train_epoch_accumulated(sharded: ShardedModel, source: TaskBatches | PrefetchBatches, empty_batch: Batch,
+                            state: LoopState, *, accumulation: int, **loop_kwargs: Any) -> EpochStats:
     """`recforge.train.loop.step_loop.train_epoch` with `accumulation` micro-batches per optimizer step."""
     return train_epoch(sharded, source, empty_batch, state, accumulation=accumulation, **loop_kwargs)

@@ -2,7 +2,9 @@
 
 Per step one all_reduce of [has_data, real_rows] decides whether the epoch goes on (some rank still
 has data) and gives the global weight for the loss (recforge.train.loop.loss). A rank without data trains
-a fully zero-weight batch, so TorchRec's all-to-alls always see equal batch sizes.
+a fully zero-weight batch, so TorchRec's all-to-alls always see equal batch sizes. A source with `next_step`
+(recforge.train.loop.prefetch.PrefetchBatches) hands out whole steps with those counts already all-reduced on its
+thread, so the loop does not block on them.
 """
 from __future__ import annotations
 
@@ -17,10 +19,38 @@ import torch.distributed as dist
 
 from recforge.train.loop.batches import Batch, TaskBatches
 from recforge.train.loop.loss import step_loss
+from recforge.train.loop.prefetch import PrefetchBatches
 from recforge.train.metrics import auc, logloss, normalized_entropy
 from recforge.train.sharding import ShardedModel
 
 log = logging.getLogger(__name__)
+
+PHASES = ("data", "forward", "backward", "optimizer", "coordination")
+
+
+class PhaseTimes:
+    """Seconds a rank's step loop spent per phase (wall clock, CPU: every op is synchronous): data (waiting for
+    the step's batches and global counts), forward, backward, optimizer, coordination (done reports, heartbeats,
+    window metrics, the window hook). TorchRec's all-to-alls run inside forward / backward, DDP's all_reduce in
+    backward."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+        self._t = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        """Charge the time since the previous mark to `phase`."""
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._t
+        self._t = now
+
+    def restart(self) -> None:
+        self._t = time.perf_counter()
+
+    def to_dict(self) -> dict[str, float]:
+        return {"steps": float(self.steps), **{f"{k}_s": v for k, v in self.seconds.items()}}
+
 
 MetricsSink = Callable[[dict[str, float], int], None]  # (metrics, step); called on rank 0 only
 
@@ -100,7 +130,7 @@ class WindowMetrics:
 
 def train_epoch(
     sharded: ShardedModel,
-    source: TaskBatches,
+    source: TaskBatches | PrefetchBatches,
     empty_batch: Batch,
     state: LoopState,
     *,
@@ -113,10 +143,12 @@ def train_epoch(
     resume: EpochStats | None = None,
     on_window: Callable[[LoopState, EpochStats], None] | None = None,
     accumulation: int = 1,
+    phases: PhaseTimes | None = None,
 ) -> EpochStats:
     """`resume`: the counters of this epoch restored from a checkpoint. `on_window(state, stats)` runs
     on every rank at each logging-window boundary, when `stats` is exact (checkpoints happen there).
-    `accumulation`: micro-batches per optimizer step (recforge.train.loop.accumulate explains the > 1 case)."""
+    `accumulation`: micro-batches per optimizer step (recforge.train.loop.accumulate explains the > 1 case).
+    `phases`: where to add the loop's time per phase (PhaseTimes), for profiling."""
     if accumulation < 1:
         raise ValueError(f"accumulation must be >= 1, got {accumulation}")
     model, opt = sharded.model, sharded.optimizer
@@ -126,28 +158,44 @@ def train_epoch(
     win_loss, win_samples = 0.0, 0
     window = WindowMetrics()
     tag = f" (x{accumulation} micro-batches)" if accumulation > 1 else ""
+    next_step = source.next_step if isinstance(source, PrefetchBatches) else None  # steps built ahead
+    pt = phases if phases is not None else PhaseTimes()
+    pt.restart()
     while True:
-        micro: list[Batch | None] = []
-        for _ in range(accumulation):  # a step's micro-batches; none asked for after the source ran dry
-            micro.append(source.next() if not micro or micro[-1] is not None else None)
-        real = sum(b.real for b in micro if b is not None)
-        g_has, g_real = _all_reduce([1.0 if micro[0] is not None else 0.0, float(real)])
-        if g_has == 0:
-            break
+        if next_step is not None:
+            step = next_step()
+            if step is None:
+                break
+            micro, g_real, real = step.micro, step.g_real, step.real
+            if len(micro) != accumulation:
+                raise ValueError(f"the source's steps have {len(micro)} micro-batches, the loop {accumulation}")
+        else:
+            micro = []
+            for _ in range(accumulation):  # a step's micro-batches; none asked for after the source ran dry
+                micro.append(source.next() if not micro or micro[-1] is not None else None)
+            real = sum(b.real for b in micro if b is not None)
+            g_has, g_real = _all_reduce([1.0 if micro[0] is not None else 0.0, float(real)])
+            if g_has == 0:
+                break
+        pt.mark("data")
         for b in micro:
             mb = b if b is not None else empty_batch
             logits = model(mb.dense, mb.sparse)
             loss, local_sum = step_loss(logits, mb.labels, mb.weights, g_real, world_size)
             window.add(logits, mb.labels, mb.weights)
+            pt.mark("forward")
             loss.backward()
             win_loss += float(local_sum)
+            pt.mark("backward")
         opt.step()
         opt.zero_grad()
+        pt.mark("optimizer")
         for b in micro:
             if b is not None:
                 source.trained(b)
         state.step += 1
         stats.steps += 1
+        pt.steps += 1
         win_samples += real
         if heartbeat is not None:
             heartbeat.maybe(state.step)
@@ -167,6 +215,9 @@ def train_epoch(
             win_t0, win_loss, win_samples = now, 0.0, 0
             if on_window is not None:
                 on_window(state, stats)
+        pt.mark("coordination")
+    if isinstance(source, PrefetchBatches):  # the epoch's done reports sent, the thread stopped: tasks_done is exact
+        source.close()
     g_loss, g_samples = _all_reduce([win_loss, float(win_samples)])
     if g_samples:
         state.last_window_loss = g_loss / g_samples

@@ -1,0 +1,238 @@
+"""A rank's steps prepared ahead on a background thread: lease, read, preprocess and the step's global counts.
+
+`PrefetchBatches` wraps a TaskBatches-like source (inline or offline; RAP's co-run source keeps its own read-ahead).
+One thread owns the source: it builds the next `depth` steps (each `accumulation` batches) while the current one
+trains, all-reduces each step's [has_data, real_rows] on a separate gloo group (so the step loop never blocks on
+it; the loss stays exactly normalized) and reports trained tasks done to the master (the trainer's `trained` calls
+are queued to it, in order). `progress()` (the checkpoint's data state) first waits until every queued report was
+made, then counts only rows handed to the trainer, as the co-run source does. Design: docs/performance.md#training-
+against-torchrecs-reference-loop.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from recforge.train.loop.batches import Batch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class StepSource(Protocol):
+    """What PrefetchBatches drives (TaskBatches and its subclasses)."""
+
+    tasks_done: int
+
+    def next(self) -> Batch | None: ...
+    def trained(self, batch: Batch) -> None: ...
+    def progress(self) -> dict[str, int]: ...
+
+
+@dataclass
+class Step:
+    """One optimizer step's micro-batches (None where this rank had no data) with the global counts the loss needs."""
+
+    micro: list[Batch | None]
+    g_has: float  # ranks with data this step (0: the epoch is over on every rank)
+    g_real: float  # real rows of the step over all ranks
+    progress: dict[str, int] = field(default_factory=dict)  # the source's progress after its last batch was read
+
+    @property
+    def real(self) -> int:
+        return sum(b.real for b in self.micro if b is not None)
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class PrefetchBatches:
+    """Steps of `source` built `depth` ahead on a thread (see the module doc). `group`: the process group of the
+    per-step all_reduce (a separate gloo group from the model's; None with world_size 1). Every wait is bounded by
+    `timeout_s`."""
+
+    def __init__(self, source: StepSource, *, accumulation: int = 1, depth: int = 2,
+                 group: dist.ProcessGroup | None = None, world_size: int = 1,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if accumulation < 1 or depth < 1:
+            raise ValueError(f"PrefetchBatches: accumulation ({accumulation}) and depth ({depth}) must be >= 1")
+        if world_size > 1 and group is None:
+            raise ValueError("PrefetchBatches: world_size > 1 needs the process group of the per-step all_reduce")
+        self.source, self.accumulation, self.depth = source, accumulation, depth
+        self.group, self.world_size, self.timeout_s = group, world_size, timeout_s
+        self._ready: queue.Queue[Step | None | _Failed] = queue.Queue()
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._produced = 0  # steps built (thread side)
+        self._taken_seen = 0  # "taken" messages the thread has read
+        self._taken = 0  # steps handed to the trainer (trainer side)
+        self._ended = False  # the thread built the epoch's end (thread side)
+        self._finished = False  # the trainer took the epoch's end
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._handed: dict[str, int] = {}
+        self.thread_s = {"build": 0.0, "report": 0.0}  # the thread's seconds building steps / reporting trained
+
+    # ---- trainer side ---------------------------------------------------------------------
+    def next_step(self) -> Step | None:
+        """The next step (None at the epoch's end on every rank)."""
+        if self._finished:
+            return None
+        self._start()
+        try:
+            item = self._ready.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"PrefetchBatches: no step within {self.timeout_s}s (step {self._taken + 1}): the "
+                               "reading thread is stuck (job master, shard reads or the other ranks)") from None
+        if isinstance(item, _Failed):
+            self._finished = True
+            raise RuntimeError(f"PrefetchBatches: preparing step {self._taken + 1} failed: {item.error!r}") \
+                from item.error
+        if item is None:
+            self._finished = True
+            return None
+        self._taken += 1
+        self._inbox.put(("taken", None))
+        last = next((b for b in reversed(item.micro) if b is not None), None)
+        if last is not None:
+            self._handed = dict(item.progress)
+        return item
+
+    def next(self) -> Batch | None:
+        """One batch (accumulation 1 only): the TaskBatches interface over next_step."""
+        if self.accumulation != 1:
+            raise RuntimeError("PrefetchBatches.next: use next_step() with accumulation > 1")
+        step = self.next_step()
+        return step.micro[0] if step is not None else None
+
+    def trained(self, batch: Batch) -> None:
+        """The trainer trained `batch`: its ledger record and done report are made on the thread, in order."""
+        if batch.last_of_task and batch.task_id is not None:
+            self._handed.pop(batch.task_id, None)
+        if self._thread is None:
+            self.source.trained(batch)
+        else:
+            self._inbox.put(("trained", batch))
+
+    def flush(self) -> None:
+        """Wait until every queued `trained` call was made (done reports sent); TimeoutError after timeout_s."""
+        if self._thread is None or not self._thread.is_alive():
+            if self._error is not None:
+                raise RuntimeError(f"PrefetchBatches: the reading thread failed: {self._error!r}") from self._error
+            return
+        ev = threading.Event()
+        self._inbox.put(("flush", ev))
+        if not ev.wait(self.timeout_s):
+            raise TimeoutError(f"PrefetchBatches: done reports not sent within {self.timeout_s}s")
+        if self._error is not None:
+            raise RuntimeError(f"PrefetchBatches: the reading thread failed: {self._error!r}") from self._error
+
+    def progress(self) -> dict[str, int]:
+        """{task id: rows handed to the trainer} of tasks in flight, after flushing the done reports: the data
+        state a checkpoint stores (rows read ahead are not in it; the master hands them out again on restore)."""
+        self.flush()
+        return dict(self._handed)
+
+    @property
+    def tasks_done(self) -> int:
+        return self.source.tasks_done
+
+    def close(self) -> None:
+        """Flush, then stop the thread. It first builds up to `depth` steps ahead as every rank's thread does, so
+        the per-step all_reduces stay matched across ranks."""
+        if self._thread is None:
+            return
+        try:
+            self.flush()
+        finally:
+            self._inbox.put(("stop", None))
+            self._thread.join(self.timeout_s)
+            if self._thread.is_alive():
+                log.warning("PrefetchBatches: the reading thread did not stop within %.0fs", self.timeout_s)
+            self._thread = None
+
+    # ---- thread side ----------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._thread is None and not self._finished:
+            self._thread = threading.Thread(target=self._run, name="recforge-prefetch", daemon=True)
+            self._thread.start()
+
+    def _handle(self, kind: str, arg: Any) -> None:
+        if kind == "trained":
+            t = time.perf_counter()
+            self.source.trained(arg)
+            self.thread_s["report"] += time.perf_counter() - t
+        elif kind == "flush":
+            arg.set()
+        elif kind == "stop":
+            self._stopping = True
+        # "taken": only wakes the thread
+
+    def _full(self) -> bool:
+        return self._ended or self._produced - self._taken_seen >= self.depth
+
+    def _run(self) -> None:
+        try:
+            while True:
+                while True:  # everything queued so far, without blocking
+                    try:
+                        kind, arg = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._taken_seen += kind == "taken"
+                    self._handle(kind, arg)
+                if self._full():
+                    if self._stopping:
+                        return
+                    try:
+                        kind, arg = self._inbox.get(timeout=self.timeout_s)
+                    except queue.Empty:
+                        continue
+                    self._taken_seen += kind == "taken"
+                    self._handle(kind, arg)
+                    continue
+                t = time.perf_counter()
+                step = self._build()
+                self.thread_s["build"] += time.perf_counter() - t
+                self._produced += 1
+                if step is None:
+                    self._ended = True
+                self._ready.put(step)
+        except BaseException as e:  # handed to the trainer, which raises it
+            self._error = e
+            self._ready.put(_Failed(e))
+            while True:  # answer flushes so the trainer never waits out its timeout on a dead thread
+                try:
+                    kind, arg = self._inbox.get(timeout=1.0)
+                except queue.Empty:
+                    if self._stopping:
+                        return
+                    continue
+                if kind == "flush":
+                    arg.set()
+                elif kind == "stop":
+                    return
+
+    def _build(self) -> Step | None:
+        micro: list[Batch | None] = []
+        for _ in range(self.accumulation):  # none asked for after the source ran dry
+            micro.append(self.source.next() if not micro or micro[-1] is not None else None)
+        progress = self.source.progress()
+        real = sum(b.real for b in micro if b is not None)
+        counts = torch.tensor([1.0 if micro[0] is not None else 0.0, float(real)], dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(counts, group=self.group)
+        g_has, g_real = counts.tolist()
+        if g_has == 0:
+            return None
+        return Step(micro=micro, g_has=g_has, g_real=g_real, progress=progress)

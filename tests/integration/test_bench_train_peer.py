@@ -1,0 +1,73 @@
+"""`recforge bench train_peer`'s logic at small sizes: configurations the machine cannot hold are refused before
+anything runs (naming the limit), the reference's transform and batches, and the report's medians and ratios."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_train_peer.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH.parent))  # the script imports its siblings (_results, train_peer)
+    spec = importlib.util.spec_from_file_location("bench_train_peer_under_test", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_refuses_what_the_machine_cannot_hold(bench, capsys):
+    with pytest.raises(bench.ConfigRefused, match=r"os.cpu_count\(\) = 2"):
+        bench.check_machine(1000, 100, 2, 2, cpus=2, available_bytes=2**40)
+    with pytest.raises(bench.ConfigRefused, match=r"psutil.virtual_memory\(\).available = 1.0 GiB"):
+        bench.check_machine(10_000_000, 100, 2, 1, cpus=2, available_bytes=2**30)
+    with pytest.raises(bench.ConfigRefused, match="must be >= 1"):
+        bench.check_machine(0, 100, 2, 1, cpus=2, available_bytes=2**40)
+    assert bench.check_machine(1000, 100, 2, 1, cpus=2, available_bytes=2**40)["cpus"] == 2
+    # the command line refuses before generating anything
+    assert bench.main(["--rows", "1000", "--workers", str(10_000), "--out", "/nonexistent/x.json"]) == 2
+    assert "refused" in capsys.readouterr().err
+
+
+def test_reference_transform_and_batches():
+    from recforge.config import DatasetConfig, DenseFeature, SparseFeature
+    from recforge.preprocess.synth import random_raw_batch
+    from train_peer.reference import to_batches, transform
+
+    ds = DatasetConfig(name="t", dense=[DenseFeature(name="I1")],
+                       sparse=[SparseFeature(name="C1", cardinality=50), SparseFeature(name="C2", cardinality=9)])
+    raw = random_raw_batch(ds, 10, seed=3)
+    rows = transform(raw, [7, 5])
+    expected = torch.log(raw.dense.double().clamp(min=-2) + 3).float()
+    torch.testing.assert_close(rows.dense, expected)
+    assert bool((rows.ids[:, 0] < 7).all()) and bool((rows.ids[:, 1] < 5).all()) and bool((rows.ids >= 0).all())
+    assert torch.equal(rows.ids[:, 1], torch.remainder(raw.sparse[:, 1], 5))
+    # 2 ranks x batch 2: global steps of 4 rows (the last 2 rows dropped); rank 1 takes rows 2-3 of step 0
+    b = to_batches(rows, ["C1", "C2"], 2, rank=1, world=2)
+    assert len(b) == 2
+    torch.testing.assert_close(b[0].labels, rows.labels[2:4])
+    assert b[0].sparse_features.keys() == ["C1", "C2"]
+    assert torch.equal(b[0].sparse_features["C2"].values(), rows.ids[2:4, 1])
+
+
+def test_summary_medians_and_ratios(bench):
+    def side(sps, auc, fwd):
+        return {"samples_per_s": sps, "heldout_auc": auc,
+                "phases": [{"steps": 10, "forward_s": fwd, "data_s": 0.1, "train_wall_s": 9.0,
+                            "prefetch_thread_s": {"build": 0.5}}] * 2}
+
+    rounds = [{"recforge": side(s, 0.77, 0.2), "reference": side(r, 0.76, 0.3), "recforge_sync": side(q, 0.77, 0.2)}
+              for s, r, q in [(100.0, 90.0, 80.0), (120.0, 100.0, 85.0), (110.0, 95.0, 90.0)]]
+    out = bench.summarize(rounds)
+    assert out["median"]["recforge"]["samples_per_s"] == 110.0
+    assert out["ratio_samples_per_s"] == pytest.approx(110.0 / 95.0)
+    assert out["ratio_prefetch_vs_sync"] == pytest.approx(110.0 / 85.0)
+    assert out["auc_difference"] == pytest.approx(0.01)
+    step = out["median"]["recforge"]["step_ms"]
+    assert step["forward"] == pytest.approx(20.0) and step["thread_build"] == pytest.approx(50.0)
+    assert "train_wall" not in step and "prefetch_thread" not in step
