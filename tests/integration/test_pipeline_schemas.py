@@ -103,7 +103,8 @@ def test_parquet_export_with_a_multi_hot_column(recforge_home, tmp_path):
     assert raw.dense.dtype.is_floating_point and "tags" in raw.jagged
     dense, kjt = make_executor("fused", plan, dataset)(raw)
     eager_dense, eager_kjt = make_executor("eager", plan, dataset)(raw)
-    assert dense.shape == (250, 2) and kjt.keys() == ["site_id", "tags"]
+    assert dense.shape == (250, 4) and kjt.keys() == ["site_id", "tags"]
+    assert dense[:, 2].tolist() == [-1.0 if i % 7 == 0 else 0.0 for i in range(250)]  # price_missing
     assert kjt["tags"].lengths().tolist() == [min(i % 5, 3) for i in range(250)]
     assert torch.equal(dense, eager_dense) and torch.equal(kjt.values(), eager_kjt.values())
     module_dense, module_kjt = TorchExecutor(plan, dataset)(raw)  # the exportable module: evaluate's and serving's

@@ -90,12 +90,14 @@ def test_schema_plan_chains_follow_the_roles():
     assert chains["views_7d"] == [("fill_null", {"value": 0}), ("log1p", {})]
     assert chains["site"] == [("fill_null", {"value": 0}), ("sigrid_hash", {"salt": 0, "M": CAP}), ("firstx", {"X": 1})]
     assert p.tables() == [("site", CAP), ("device_type", 7), ("app", CAP)]  # min(cardinality, cap); cap if unknown
-    assert p.dense_features() == ["price", "dwell_s", "views_7d"]  # label, id and timestamp columns are not features
+    assert p.dense_features() == ["price", "dwell_s", "views_7d", "price_missing", "dwell_s_missing",
+                                  "views_7d_missing"]  # label, id and timestamp columns are not features
+    assert chains["price_missing"] == [("fill_null", {"value": -1}), ("clamp", {"lo": -1, "hi": 0})]
     m = schema_plan(MULTI, CAP)
     assert [(s.op, s.params) for s in m.features[-1].ops][-1] == ("firstx", {"X": 3})
     assert m.tables() == [("user", 300), ("genres", 50)]
     c = schema_plan(CRITEO, CAP)
-    assert [s.op for s in c.features[0].ops] == ["fill_null", "log1p"] and len(c.features) == 13 + 26
+    assert [s.op for s in c.features[0].ops] == ["fill_null", "log1p"] and len(c.features) == 13 + 13 + 26
     assert dict(c.tables())["C9"] == 3 and dict(c.tables())["C3"] == CAP
     with pytest.raises(ValueError, match="table_cap must be >= 1"):
         schema_plan(CSV, 0)
@@ -209,3 +211,31 @@ def test_recom_compiles_a_multi_hot_column_as_captured_with_the_reason():
     other = _jagged_inputs(9, 1)
     with torch.no_grad():
         torch.testing.assert_close(compiled(*other), model(*other), rtol=0, atol=1e-6)
+
+
+def test_missing_indicators_keep_a_missing_count_apart_from_a_zero():
+    plan = schema_plan(CSV, CAP)
+    assert plan.dense_features() == ["price", "dwell_s", "views_7d",
+                                     "price_missing", "dwell_s_missing", "views_7d_missing"]
+    batch = pa.record_batch({"click": pa.array([1, 0, 1], pa.int8()), "price": pa.array([0.0, None, 3.0]),
+                             "dwell_s": pa.array([1.0, 2.0, None]), "views_7d": pa.array([0, None, -2]),
+                             "site": pa.array([1, 2, 3]), "device_type": pa.array([1, 2, 3]),
+                             "app": pa.array([1, 2, 3]), "hour": pa.array([0, 0, 0], pa.timestamp("s", "UTC"))})
+    dense, _ = make_executor("fused", plan, CSV)(RawBatch.from_arrow(batch, CSV))
+    got = dense.numpy()
+    assert got[0, 2] == got[1, 2] == 0.0  # views_7d: a count of 0 and a missing count both give log1p 0
+    assert got[:, 3].tolist() == [0.0, -1.0, 0.0]  # price present, missing, present
+    assert got[:, 4].tolist() == [0.0, 0.0, -1.0]
+    assert got[:, 5].tolist() == [0.0, -1.0, -1.0]  # a negative count is flagged like a missing one
+
+
+def test_missing_indicator_can_be_turned_off_and_a_name_clash_is_named():
+    off = DatasetConfig.model_validate({**CSV.model_dump(mode="json"), "columns": [
+        {**c.model_dump(mode="json"), "missing_indicator": False} if c.role == "dense" else c.model_dump(mode="json")
+        for c in CSV.columns]})
+    assert schema_plan(off, CAP).dense_features() == ["price", "dwell_s", "views_7d"]
+    clash = DatasetConfig.model_validate({"name": "clash", "format": "csv", "header": True, "columns": [
+        {"role": "label", "name": "y"}, {"role": "dense", "name": "a"}, {"role": "dense", "name": "a_missing"},
+        {"role": "categorical", "name": "c", "encoding": "int"}]})
+    with pytest.raises(ValueError, match="'a'.s missing indicator would be named a_missing"):
+        schema_plan(clash, CAP)

@@ -59,6 +59,9 @@ class DenseFeature(StrictModel):
     transform: Literal["log1p", "none"] = Field(
         "log1p", description="the default plan's transform: log1p(max(x, 0)) of counts, or the value as is")
     clip: tuple[float, float] | None = Field(None, description="[lo, hi] the default plan clamps the value to first")
+    missing_indicator: bool = Field(
+        True, description="the default plan adds an input `<name>_missing`: -1 where the value is missing (or "
+                          "negative), 0 otherwise, so that a missing count and a count of 0 stay apart")
     missing_rate: float = Field(0.0, ge=0.0, lt=1.0, description="synthetic data only: share of missing values")
 
     @model_validator(mode="after")

@@ -154,9 +154,9 @@ class PipelineConfig(StrictModel):
         description="preprocessing executor of the training workers (recforge.preprocess.executor.make_executor)")
     preprocess_plan: str = Field(
         "schema", description="preprocessing plan: 'schema' (derived from the dataset's column roles: fill_null, "
-        "clip and log1p for dense, sigrid_hash to table sizes for categorical, firstx(max_length) for multi_hot; "
-        "docs/data.md), 'criteo' (RAP plan 0 over the dataset), a RAP preset 'plan0'..'plan3', or a plan file path "
-        "(.json/.yaml); tables capped by table_cap")
+        "clip and log1p for dense plus a missing indicator per dense column, sigrid_hash to table sizes for "
+        "categorical, firstx(max_length) for multi_hot; docs/data.md), 'criteo' (RAP plan 0 over the dataset), "
+        "a RAP preset 'plan0'..'plan3', or a plan file path (.json/.yaml); tables capped by table_cap")
     preprocessing: Literal["auto", "inline", "corun", "offline"] = Field(
         "auto", description="auto: plan_resources profiles the job and picks corun when RAP's predicted iteration "
         "time beats inline, else inline (recording both predictions and why); "

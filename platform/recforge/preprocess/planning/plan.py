@@ -219,9 +219,14 @@ def criteo_plan(dataset: DatasetConfig, table_cap: int) -> Plan:
     return plan
 
 
+MISSING_SUFFIX = "_missing"  # schema_plan's missing-indicator inputs
+
+
 def schema_plan(dataset: DatasetConfig, table_cap: int) -> Plan:
     """The default plan, derived from the dataset's column roles (docs/data.md#default-preprocessing-plan):
     dense: fill_null(0) -> clamp(lo, hi) when the column sets `clip` -> log1p when its transform is log1p;
+    then, per dense column with `missing_indicator` (the default), `<name>_missing`: fill_null(-1) -> clamp(-1, 0)
+    (-1 missing or negative, 0 present): fill_null(0) alone makes a missing count look like a 0;
     categorical: fill_null(0) -> sigrid_hash(0, table rows) -> firstx(1);
     multi_hot: fill_null(0) -> sigrid_hash(0, table rows) -> firstx(max_length) (up to max_length ids per row).
     Table rows: min(cardinality, table_cap), table_cap when the cardinality is not given."""
@@ -235,6 +240,16 @@ def schema_plan(dataset: DatasetConfig, table_cap: int) -> Plan:
         if d.transform == "log1p":
             ops.append(OpSpec(op="log1p"))
         features.append(FeaturePlan(name=d.name, kind="dense", source=d.name, ops=ops))
+    taken = {c.name for c in dataset.columns}
+    for d in dataset.dense:
+        if d.missing_indicator and f"{d.name}{MISSING_SUFFIX}" in taken:
+            raise ValueError(f"schema_plan: column {d.name!r}'s missing indicator would be named "
+                             f"{d.name}{MISSING_SUFFIX!s}, which is another column's name; set "
+                             f"`missing_indicator: false` on {d.name!r} or rename that column")
+    features += [FeaturePlan(name=f"{d.name}{MISSING_SUFFIX}", kind="dense", source=d.name,
+                             ops=[OpSpec(op="fill_null", params={"value": -1}),
+                                  OpSpec(op="clamp", params={"lo": -1, "hi": 0})])
+                 for d in dataset.dense if d.missing_indicator]
     for c in dataset.sparse:
         keep = getattr(c, "max_length", 1) if c.multi_hot else 1
         features.append(FeaturePlan(
