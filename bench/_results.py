@@ -15,3 +15,14 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
         json.dump(report, f, indent=2, default=str)
     os.replace(f.name, path)
     print(f"wrote {path}")
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("unknown" where there is none): every report records it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"

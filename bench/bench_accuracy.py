@@ -22,7 +22,6 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform as py_platform  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -37,7 +36,7 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import write_report  # noqa: E402  # bench/_results.py
+from _results import cpu_model, write_report  # noqa: E402  # bench/_results.py
 from recforge.config import PipelineConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -269,15 +268,6 @@ def plot(report: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return py_platform.processor() or py_platform.machine()
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -312,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(root, ignore_errors=True)
                 return 2
     report: dict[str, Any] = {
-        "bench": "accuracy", "started": datetime.now(UTC).isoformat(), "cpu_model": _cpu_model(),
+        "bench": "accuracy", "started": datetime.now(UTC).isoformat(), "cpu_model": cpu_model(),
         "cpu_count": cpus, "loadavg_start": list(os.getloadavg()), "goal_gap": GOAL_GAP,
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "configs": {name: _merge(common, over) for name, over in configs.items()},

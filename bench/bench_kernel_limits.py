@@ -40,7 +40,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import write_report  # noqa: E402  # bench/_results.py
+from _results import cpu_model, write_report  # noqa: E402  # bench/_results.py
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PLANS = ("plan0", "plan1", "plan2", "plan3")
@@ -55,15 +55,6 @@ GOAL_RATIO, GOAL_PLAN0 = 2.0, 15e6
 class Refused(ValueError):
     """A configuration this machine cannot hold (the message names the limit)."""
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def check_config(args: argparse.Namespace) -> None:

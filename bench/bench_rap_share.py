@@ -43,7 +43,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from _results import write_report  # bench/_results.py (bench/ is the script's directory)
+from _results import cpu_model, write_report  # bench/_results.py (bench/ is the script's directory)
 from bench_rap import RowsInMemory, make_data, preprocess_ms, run_epoch
 from recforge.config import ModelConfig, TrainConfig
 from recforge.data.shards import read_rows
@@ -377,15 +377,6 @@ def plot(points: list[dict[str, Any]], out: Path) -> None:
     os.replace(tmp, out)
     print(f"wrote {out}")
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def print_table(points: list[dict[str, Any]]) -> None:

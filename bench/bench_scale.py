@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import write_report  # noqa: E402  # bench/_results.py
+from _results import cpu_model, write_report  # noqa: E402  # bench/_results.py
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPORT = RESULTS / "bench_scale.json"
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "benchmark": "scale", "time": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": py_platform.python_version(),
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": py_platform.python_version(),
                     "memory_gb": psutil.virtual_memory().total / 1e9},
         "loadavg_before": os.getloadavg(), "threads": {"main": 1, "per_rank": 1, "ranks": args.workers},
         "training": {"epochs": args.epochs, "workers": args.workers, "note": "the pipeline's defaults otherwise "
@@ -549,15 +549,6 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     return 0
 
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return py_platform.processor() or "unknown"
 
 
 def _print_table(report: dict[str, Any]) -> None:

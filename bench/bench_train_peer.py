@@ -41,7 +41,7 @@ from typing import Any
 
 import psutil
 
-from _results import write_report  # bench/_results.py (bench/ is the script's directory)
+from _results import cpu_model, write_report  # bench/_results.py (bench/ is the script's directory)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS_PER_SHARD = 50_000
@@ -72,15 +72,6 @@ def check_machine(rows: int, eval_rows: int, workers: int, threads: int, *, cpus
                             f"{available / 2**30:.1f} GiB; use fewer --rows / --eval-rows")
     return {"cpus": cpus, "available_bytes": available, "reference_bytes_estimate": need}
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def prepare_data(root: Path, rows: int, eval_rows: int, seed: int, table_cap: int):
