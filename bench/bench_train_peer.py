@@ -283,10 +283,13 @@ def main(argv: list[str] | None = None) -> int:
                                                  prefetch=0 if side == "recforge_sync" else None)
                     else:
                         assert data_path is not None
+                        ours = rnd.get("recforge") or rnd.get("recforge_sync")  # its plan, if it ran first
+                        pinned = ({t: v["sharding_type"] for t, v in ours["sharding_plan"].items()}
+                                  if ours else None)
                         rnd[side] = reference.run(data_path, model=ModelConfig(),
                                                   train=TrainConfig(batch_size=args.batch), world=args.workers,
                                                   threads=args.threads, seed=args.seed,
-                                                  profile_steps=args.profile_steps)
+                                                  profile_steps=args.profile_steps, pinned=pinned)
                     bar.console.print(f"round {i} {side}: {rnd[side]['samples_per_s']:,.0f} samples/s, held-out "
                                       f"AUC {rnd[side]['heldout_auc']:.4f}, load {os.getloadavg()[0]:.1f}")
                     bar.advance(task)

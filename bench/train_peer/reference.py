@@ -83,7 +83,8 @@ class TrainModule(torch.nn.Module):
 
 
 def build(model_cfg: ModelConfig, train: TrainConfig, tables: list[tuple[str, int]], num_dense: int, world: int,
-          seed: int) -> tuple[DistributedModelParallel, CombinedOptimizer, dict[str, Any]]:
+          seed: int, pinned: dict[str, str] | None = None,
+          ) -> tuple[DistributedModelParallel, CombinedOptimizer, dict[str, Any]]:
     """DMP over TrainModule(DLRM): the planner under recforge's constraints (the same plan), RowWiseAdagrad in
     backward for the fused tables, Adam for the dense parameters, recforge's learning rates."""
     torch.manual_seed(seed)
@@ -92,7 +93,7 @@ def build(model_cfg: ModelConfig, train: TrainConfig, tables: list[tuple[str, in
     init = {k: v.detach().clone() for k, v in module.state_dict().items()}
     sharders = [EmbeddingBagCollectionSharder()]
     ebc = dlrm.sparse_arch.embedding_bag_collection
-    planner = make_planner(train, [c.name for c in ebc.embedding_bag_configs()], world, "cpu")
+    planner = make_planner(train, [c.name for c in ebc.embedding_bag_configs()], world, "cpu", pinned=pinned)
     # planned on the bare DLRM, as recforge's shard_model does, then keyed by the wrapper's module path
     plan = planner.collective_plan(dlrm, sharders, dist.GroupMember.WORLD)
     mod_plan = plan.plan["sparse_arch.embedding_bag_collection"]
@@ -152,7 +153,7 @@ def _rank(rank: int, world: int, port: int, cfg: dict[str, Any], out_dir: str) -
         keys, tables = data["keys"], data["tables"]
         model_cfg, train = ModelConfig.model_validate(cfg["model"]), TrainConfig.model_validate(cfg["train"])
         batches = to_batches(train_rows, keys, train.batch_size, rank, world)
-        dmp, opt, summary = build(model_cfg, train, tables, data["num_dense"], world, cfg["seed"])
+        dmp, opt, summary = build(model_cfg, train, tables, data["num_dense"], world, cfg["seed"], cfg.get("pinned"))
         dmp.train()
         pipeline = TrainPipelineSparseDist(dmp, opt, torch.device("cpu"), execute_all_batches=True)
         dist.barrier()
@@ -181,7 +182,7 @@ def _rank(rank: int, world: int, port: int, cfg: dict[str, Any], out_dir: str) -
         parts: list[Any] = [None] * world
         dist.all_gather_object(parts, local)
         prof_n = min(cfg["profile_steps"], len(batches))
-        pdmp, popt, _ = build(model_cfg, train, tables, data["num_dense"], world, cfg["seed"])
+        pdmp, popt, _ = build(model_cfg, train, tables, data["num_dense"], world, cfg["seed"], cfg.get("pinned"))
         pdmp.train()
         phases = _phases(pdmp, popt, batches[:prof_n])
         all_phases: list[Any] = [None] * world
@@ -202,15 +203,17 @@ def _rank(rank: int, world: int, port: int, cfg: dict[str, Any], out_dir: str) -
 
 
 def run(data_path: Path, *, model: ModelConfig, train: TrainConfig, world: int, threads: int, seed: int,
-        eval_batch: int = 5000, profile_steps: int = 30) -> dict[str, Any]:
-    """Train the reference over the rows in `data_path` (see `save_rows`) on `world` spawned ranks; rank 0's report."""
+        eval_batch: int = 5000, profile_steps: int = 30, pinned: dict[str, str] | None = None) -> dict[str, Any]:
+    """Train the reference over the rows in `data_path` (see `save_rows`) on `world` spawned ranks; rank 0's report.
+    `pinned`: table -> sharding type, the plan recforge's run chose (the planner breaks ties differently per run)."""
     import socket  # lazy: only to pick a free port
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = {"data_path": str(data_path), "model": model.model_dump(mode="json"), "train": train.model_dump(mode="json"),
-           "threads": threads, "seed": seed, "eval_batch": eval_batch, "profile_steps": profile_steps}
+           "threads": threads, "seed": seed, "eval_batch": eval_batch, "profile_steps": profile_steps,
+           "pinned": pinned}
     with tempfile.TemporaryDirectory(prefix="recforge_ref_") as out:
         env = {"OMP_NUM_THREADS": str(threads)}
         old = {k: os.environ.get(k) for k in env}

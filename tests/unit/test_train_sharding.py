@@ -183,3 +183,14 @@ def test_placement_checks_name_the_table():
         _check({"C1": tw, "C2": cw, "C3": Placement("data_parallel", (0,))})
     with pytest.raises(ValueError, match=r"'C1': table_wise takes one rank"):
         _check({"C1": Placement("table_wise", (0, 1)), "C2": cw, "C3": dp})
+
+
+def test_make_planner_pins_a_tables_sharding_type_and_names_an_unknown_table():
+    from recforge.train.sharding import make_planner
+
+    planner = make_planner(TrainConfig(), ["C1", "C2"], 2, "cpu", pinned={"C1": "column_wise", "C2": "data_parallel"})
+    constraints = planner._constraints  # what the planner enumerates from
+    assert constraints["C1"].sharding_types == ["column_wise"] and constraints["C1"].compute_kernels == ["fused"]
+    assert constraints["C2"].sharding_types == ["data_parallel"] and constraints["C2"].compute_kernels == ["dense"]
+    with pytest.raises(ValueError, match="'C9' is not a table of the model"):
+        make_planner(TrainConfig(), ["C1"], 2, "cpu", pinned={"C9": "table_wise"})

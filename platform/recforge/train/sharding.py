@@ -160,15 +160,19 @@ def shard_model(
 
 
 def make_planner(train: TrainConfig, table_names: list[str], world_size: int,
-                 device_type: str) -> EmbeddingShardingPlanner:
-    """TorchRec's planner as shard_model runs it (also the baseline RAP's mapping is compared with)."""
+                 device_type: str, pinned: Mapping[str, str] | None = None) -> EmbeddingShardingPlanner:
+    """TorchRec's planner as shard_model runs it (also the baseline RAP's mapping is compared with). `pinned`:
+    table -> the one sharding type the planner may give it (a peer benchmark plans what recforge's run chose)."""
     topology = TopologyFactory.create_topology(
         trainer_config=TrainerConfig(world_size=world_size),
         kernel_config=KernelConfig(compute_device=device_type),
     )
-    return EmbeddingShardingPlanner(
-        topology=topology, constraints=sharding_constraints(train, table_names), debug=False
-    )
+    constraints = sharding_constraints(train, table_names)
+    for table, kind in (pinned or {}).items():
+        if table not in constraints:
+            raise ValueError(f"pinned sharding: {table!r} is not a table of the model ({sorted(constraints)})")
+        constraints[table] = ParameterConstraints(sharding_types=[kind], compute_kernels=[placement_kernel(kind)])
+    return EmbeddingShardingPlanner(topology=topology, constraints=constraints, debug=False)
 
 
 def placement_kernel(kind: str) -> str:
