@@ -7,7 +7,10 @@ The comparison (default) runs every policy on the same trace per seed and writes
 each policy's metrics per seed, the gains against static per seed and their medians, next to the paper's.
 `--scale` runs one policy at a time in a fresh process per point (1k jobs on 100 nodes, nodes scaled with the
 jobs, the same arrival window, so the load per node is the same) and writes bench/results/simulate_scale.json:
-wall time, events, events/s and peak RSS per point. Each size is checked against the machine's memory first.
+wall time, events, events/s, peak RSS and the load average per point. Each size is checked against the machine's
+memory first; with `--budget-s S` a policy's point is not started when its previous (smaller) point projects past S
+(its time x the jobs ratio, times the growth per 10x measured between the two smaller points when there are two):
+the point records the projection instead.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import json
+import math
 import resource
 import statistics
 import subprocess
@@ -25,6 +29,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import cpu_model  # noqa: E402  # bench/_results.py
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS_PER_NODE = 10  # the scale curve's load: 1,000 jobs on 100 nodes
@@ -36,6 +43,22 @@ def _write(path: Path, doc: dict) -> None:
         json.dump(doc, f, indent=1, default=str)
     os.chmod(f.name, 0o644)  # NamedTemporaryFile creates 0600
     os.replace(f.name, path)
+
+
+
+def projected_s(done: list[dict], jobs: int) -> float | None:
+    """The time `jobs` would take from this policy's measured points (sorted by jobs): the largest one scaled by the
+    jobs ratio, times its measured super-linearity (time ratio / jobs ratio between the last two points, >= 1)."""
+    pts = [p for p in done if "sim_s" in p and p["jobs"] < jobs]
+    if not pts:
+        return None
+    last, ratio = pts[-1], jobs / pts[-1]["jobs"]
+    extra = 1.0  # the super-linearity measured between the last two points, carried over the same log-distance
+    if len(pts) >= 2 and last["jobs"] > pts[-2]["jobs"]:
+        prev = pts[-2]
+        step = last["jobs"] / prev["jobs"]
+        extra = max(1.0, (last["sim_s"] / prev["sim_s"]) / step) ** (math.log(ratio) / math.log(step))
+    return last["sim_s"] * ratio * extra
 
 
 def one_point(jobs: int, nodes: int, policy: str, seed: int, shape: str, window_h: float) -> dict:
@@ -55,6 +78,7 @@ def one_point(jobs: int, nodes: int, policy: str, seed: int, shape: str, window_
     return {"jobs": jobs, "nodes": nodes, "policy": policy, "seed": seed, "trace_s": t_trace, "sim_s": t_sim,
             "wall_s": time.perf_counter() - t0, "events": sim.events, "events_per_s": sim.events / t_sim,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "loadavg_end": os.getloadavg(),
             "completion_rate": r["completion_rate"], "jct_median_h": r["jct_median_h"],
             "cpu_utilization": r["cpu_utilization"], "memory_utilization": r["memory_utilization"]}
 
@@ -73,6 +97,13 @@ def scale(args) -> int:
             continue
         pols = args.scale_policies_large if jobs > 10000 and args.scale_policies_large else args.scale_policies
         for policy in pols.split(","):
+            proj = projected_s(sorted((p for p in points if p.get("policy") == policy), key=lambda p: p["jobs"]), jobs)
+            if args.budget_s and proj is not None and proj > args.budget_s:
+                points.append({"jobs": jobs, "nodes": nodes, "policy": policy, "projected_s": proj,
+                               "skipped": f"projected {proj:.0f}s > budget {args.budget_s:.0f}s"})
+                print(json.dumps(points[-1]))
+                continue
+            load0 = os.getloadavg()
             cmd = [sys.executable, __file__, "--point", str(jobs), str(nodes), policy, "--shape", args.shape,
                    "--window-h", str(args.window_h), "--seeds", str(args.seeds[0])]
             try:
@@ -85,7 +116,8 @@ def scale(args) -> int:
             if out.returncode != 0:
                 points.append({"jobs": jobs, "nodes": nodes, "policy": policy, "error": out.stderr[-2000:]})
             else:
-                points.append(json.loads(out.stdout.strip().splitlines()[-1]))
+                points.append({**json.loads(out.stdout.strip().splitlines()[-1]), "loadavg_start": load0,
+                               "projected_s": proj})
             print(json.dumps(points[-1]))
     path = args.out / "simulate_scale.json"
     if args.merge and path.exists():  # keep the earlier points of sizes / policies not run now
@@ -94,7 +126,8 @@ def scale(args) -> int:
         points.sort(key=lambda p: (p["jobs"], str(p.get("policy"))))
     doc = {"what": "one policy per fresh process; nodes = jobs / 10; same arrival window (load per node constant)",
            "shape": args.shape, "window_h": args.window_h, "seed": args.seeds[0], "points": points,
-           "goal": "10,000 nodes / 100,000 jobs in < 600 s", "machine": {"cpus": os.cpu_count()},
+           "goal": "10,000 nodes / 100,000 jobs in < 600 s",
+           "machine": {"cpus": os.cpu_count(), "cpu_model": cpu_model()},
            "loadavg": os.getloadavg(), "python": sys.version.split()[0], "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ")}
     _write(path, doc)
     print(f"wrote {path}")
@@ -159,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-policies-large", default="",
                     help="policies for sizes above 10,000 jobs (default: the same)")
     ap.add_argument("--point-timeout-s", type=float, default=1800.0)
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="--scale: skip a point whose projection from the policy's smaller points exceeds this")
     ap.add_argument("--merge", action="store_true", help="--scale: add to bench/results/simulate_scale.json's points")
     ap.add_argument("--point", nargs=3, metavar=("JOBS", "NODES", "POLICY"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -41,7 +41,7 @@ def candidates(plan: PodPlan, grow: bool, ps: bool) -> list[tuple[str, PodPlan]]
     for name, change in changes:
         if min(change.values()) < 1:
             continue
-        out.append((f"{verb}_{name}", replace(plan, **change)))
+        out.append((f"{verb}_{name}", _with(plan, **change)))
     return out
 
 
@@ -52,7 +52,13 @@ def memory_for(plan: PodPlan, job: JobDescription, mem: MemoryModel, cfg: Optimi
     # the memory model counts per-worker steps
     need = mem.required_bytes(embedding_shard_bytes(job.table_bytes, plan.workers),
                               job_steps(job, plan) / plan.workers, cfg.memory_margin)
-    return replace(plan, memory_per_worker=max(floor, need))
+    return _with(plan, memory_per_worker=max(floor, need))
+
+
+def _with(plan: PodPlan, **change: Any) -> PodPlan:
+    """dataclasses.replace for the search's inner loop (the same fields through __init__, without its
+    per-call field introspection)."""
+    return PodPlan(**{**plan.__dict__, **change})
 
 
 def job_steps(job: JobDescription, plan: PodPlan) -> float:

@@ -6,6 +6,8 @@ so placing a job costs O(nodes) in C plus O(nodes used) in Python, not O(pods x 
 Most placements a scheduling pass tries fail; histograms of the nodes' free cores (whole cores) and free
 memory (whole GiB) bound how many pods of a shape the cluster holds in O(node size), so a placement that
 cannot succeed is refused before the O(nodes) scan (an upper bound: it never refuses one that fits).
+A scheduling pass tries many jobs against an unchanged cluster: the bound per pod size is cached until the
+free capacity changes (`version`).
 """
 from __future__ import annotations
 
@@ -42,6 +44,10 @@ class Cluster:
         self._hm = np.bincount(self._bm(self.free_mem), minlength=self._km)
         self._vc = np.arange(self._kc, dtype=float) + 1e-6
         self._vm = np.arange(self._km, dtype=float) * GiB + 1.0
+        self.version = 0  # bumped on every change of free capacity: the bounds below are valid for one version
+        self._bound_v = -1
+        self._bound_c: dict[float, int] = {}
+        self._bound_m: dict[float, int] = {}
 
     def _bc(self, fc: np.ndarray) -> np.ndarray:
         return np.clip(np.ceil(fc - 1e-7), 0, self._kc - 1).astype(np.int64)
@@ -51,6 +57,7 @@ class Cluster:
 
     def _hist(self, nodes, sign: int) -> None:
         """Take `nodes` (distinct) out of the bucket histograms (sign -1) or put them back (+1)."""
+        self.version += 1
         if self.bound:
             self._hc += sign * np.bincount(self._bc(self.free_cpu[nodes]), minlength=self._kc)
             self._hm += sign * np.bincount(self._bm(self.free_mem[nodes]), minlength=self._km)
@@ -72,9 +79,21 @@ class Cluster:
 
     def _may_fit(self, c: float, m: float, n: int) -> bool:
         """False when `n` pods of (c cores, m bytes) cannot fit, by the buckets (rounded up: a bound)."""
-        if c > 0 and int(self._hc @ np.floor(self._vc / c)) < n:
-            return False
-        return not (m > 0 and int(self._hm @ np.floor(self._vm / m)) < n)
+        if self._bound_v != self.version:
+            self._bound_v, self._bound_c, self._bound_m = self.version, {}, {}
+        if c > 0:
+            k = self._bound_c.get(c)
+            if k is None:
+                k = self._bound_c[c] = int(self._hc @ np.floor(self._vc / c))
+            if k < n:
+                return False
+        if m > 0:
+            k = self._bound_m.get(m)
+            if k is None:
+                k = self._bound_m[m] = int(self._hm @ np.floor(self._vm / m))
+            if k < n:
+                return False
+        return True
 
     @property
     def capacity_cpu(self) -> float:
@@ -91,6 +110,10 @@ class Cluster:
         """Node index per pod (largest pods first), or None (and nothing taken) when they do not all fit."""
         groups: dict[tuple[float, float], list[int]] = {}
         if pods and pods.count(pods[0]) == len(pods):  # a workers-only job: one shape (list.count runs in C)
+            (c0, m0), n0 = pods[0], len(pods)
+            if (c0 * n0 > self.free_cpu_total + 1e-6 or m0 * n0 > self.free_mem_total + 1.0
+                    or (self.bound and not self._may_fit(c0, m0, n0))):
+                return None  # (the checks below, without building the groups: most placements tried fail here)
             groups[pods[0]] = list(range(len(pods)))
         else:
             for i, pm in enumerate(pods):

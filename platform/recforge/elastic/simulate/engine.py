@@ -78,6 +78,8 @@ class JobRun:
     events: list = field(default_factory=list)
     plan_changes: int = 0
     fail_reason: str = ""
+    rate_at: tuple = (None, 0.0, 0.0, 0.0)  # (plan, slowdown, rate, cores busy): a TorchRec job's rate moves with those
+    noise_at: tuple = (-1, 1.0)  # (tick, noise) of the last measurement: the loss and the report share one hash
 
 
 class Simulation:
@@ -168,8 +170,13 @@ class Simulation:
         p, j = plan or r.plan, r.job
         if j.shape == "torchrec":
             sl = j.straggler[1] if r.straggling and j.straggler else 1.0
-            rate = truth.tr_throughput(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker, sl)
-            cpu = truth.tr_cpu_used(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker, sl)
+            c = r.rate_at
+            if c[0] is p and c[1] == sl:
+                rate, cpu = c[2], c[3]
+            else:
+                rate = truth.tr_throughput(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker, sl)
+                cpu = truth.tr_cpu_used(j.coef, j.gamma, p.batch_size, p.workers, p.cpu_per_worker, sl)
+                r.rate_at = (p, sl, rate, cpu)
             need = truth.tr_worker_memory(j.worker_mem, j.emb_bytes, p.workers, j.emb_growth_per_sample * r.done)
             return rate, cpu, min(need, p.memory_per_worker) * p.workers, need
         slow = j.straggler[1] if r.straggling and j.straggler else None
@@ -220,10 +227,14 @@ class Simulation:
     def _noise(self, r: JobRun) -> float:
         """exp(N(0, noise)), a function of (seed, job, tick) only: every policy sees the same noise (Box-Muller
         on a hash: a numpy generator per observation cost more than the rest of the event)."""
+        if r.noise_at[0] == r.ticks:
+            return r.noise_at[1]
         h = hashlib.blake2b(f"{self.seed},{r.job.job_id},{r.ticks}".encode(), digest_size=8).digest()
         u1 = (int.from_bytes(h[:4], "little") + 0.5) / 2**32
         u2 = int.from_bytes(h[4:], "little") / 2**32
-        return math.exp(self.params.noise * math.sqrt(-2.0 * math.log(u1)) * math.cos(2 * math.pi * u2))
+        v = math.exp(self.params.noise * math.sqrt(-2.0 * math.log(u1)) * math.cos(2 * math.pi * u2))
+        r.noise_at = (r.ticks, v)
+        return v
 
     def _observe(self, r: JobRun, t: float, oom_w=(), oom_s=()) -> Observation:
         j, p = r.job, r.plan
@@ -309,8 +320,9 @@ class Simulation:
         big_c, big_m = float(cl.free_cpu.max()), float(cl.free_mem.max())  # the roomiest node's free CPU / memory
         failed: dict[tuple, float] = {}  # pod shape -> fewest pods of it that did not fit: more will not either
         misses = 0
-        for _, jid in sorted(self.pending[:n], key=lambda k: k[1]):
-            r = self.runs[jid]
+        runs = self.runs
+        for jid in sorted([k[1] for k in self.pending[:n]]):
+            r = runs[jid]
             p = r.plan
             if r.status != "pending":
                 self._unpend(r)

@@ -271,6 +271,7 @@ class OptimusPolicySim(SimPolicy):
     def __init__(self) -> None:
         self.jobs: dict[int, _OptimusJob] = {}
         self.finished_samples: list[float] = []
+        self._typical: tuple[int, float] = (-1, 0.0)  # (finished jobs, median samples of the last 200)
 
     def initial_plan(self, job, desc, limits):
         st = _OptimusJob(job, desc, limits)
@@ -312,7 +313,10 @@ class OptimusPolicySim(SimPolicy):
             if math.isfinite(k_end):
                 return max(k_end - done, 0.01 * max(done, 1.0))
         # before the curve can be fitted: as long again as it ran, or what finished jobs took
-        typical = statistics.median(self.finished_samples[-200:]) if self.finished_samples else 1e8
+        n = len(self.finished_samples)
+        if self._typical[0] != n:  # (the median of the last 200 changes only when a job finishes)
+            self._typical = (n, statistics.median(self.finished_samples[-200:]) if n else 1e8)
+        typical = self._typical[1]
         return max(done, typical - done, 0.1 * typical)
 
     def allocate(self, runs, cluster, t: float) -> dict[int, int]:

@@ -126,8 +126,17 @@ def design_matrix(allocs: Sequence[Allocation], terms: Sequence[str]) -> np.ndar
     unknown = [t for t in terms if t not in TERMS]
     if unknown:
         raise ModelFitError(f"unknown model terms {unknown}; known: {sorted(TERMS)}")
-    v = _cols(allocs)
-    return np.column_stack([TERMS[t][0](v) for t in terms]) if terms else np.zeros((len(allocs), 0))
+    return _design(_cols(allocs), terms, len(allocs))
+
+
+def _design(v: dict[str, np.ndarray], terms: Sequence[str], n: int) -> np.ndarray:
+    # the columns filled into one C-ordered array: what np.column_stack builds, at a third of its overhead
+    if not terms:
+        return np.zeros((n, 0))
+    out = np.empty((n, len(terms)))
+    for i, t in enumerate(terms):
+        out[:, i] = 1.0 if t == "const" else TERMS[t][0](v)  # (np.ones_like's column, without the call)
+    return out
 
 
 def step_time(allocs: Sequence[Allocation], samples_per_s: Sequence[float]) -> np.ndarray:
@@ -138,7 +147,8 @@ def step_time(allocs: Sequence[Allocation], samples_per_s: Sequence[float]) -> n
 
 
 def mape(pred: Iterable[float], actual: Iterable[float]) -> float:
-    p, a = np.asarray(list(pred), float), np.asarray(list(actual), float)
+    p = np.asarray(pred, float) if isinstance(pred, np.ndarray) else np.asarray(list(pred), float)
+    a = np.asarray(actual, float) if isinstance(actual, np.ndarray) else np.asarray(list(actual), float)
     return float(np.mean(np.abs(p - a) / np.abs(a))) if len(a) else float("nan")
 
 
@@ -175,9 +185,9 @@ class ThroughputModel:
         """samples/s for each allocation (a float for a single one)."""
         single = isinstance(allocs, Allocation)
         lst = [allocs] if isinstance(allocs, Allocation) else list(allocs)
-        w = np.array([a.workers for a in lst], dtype=float)
-        b = np.array([a.batch_size for a in lst], dtype=float)
-        out = w * b / self.step_time(lst)
+        v = _cols(lst)  # (one pass over the allocations: the same values step_time and the columns below read)
+        t = np.maximum(_design(v, self.terms, len(lst)) @ np.asarray(self.coef), 1e-12)
+        out = v["w"] * v["b"] / t
         return float(out[0]) if single else out
 
     def to_dict(self) -> dict:
@@ -251,6 +261,16 @@ def fit(samples: Sequence[Sample], terms: Sequence[str], *, prior: ThroughputMod
     return model
 
 
+def _median(x: np.ndarray) -> float:
+    """float(np.median(x)) of a 1-D array: the middle value, or the two middle values' sum / 2 (as np.median's mean
+    of them), by a sort in python; np.median's own path (NaN) otherwise. Its overhead dominated a refit."""
+    v = sorted(x.tolist())
+    n = len(v)
+    if not n or any(u != u for u in v):
+        return float(np.median(x))
+    return float(v[n // 2]) if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
 def _config_key(a: Allocation) -> tuple:
     return (a.workers, a.cpu_per_worker, a.batch_size, a.servers, a.cpu_per_server)
 
@@ -314,21 +334,42 @@ class OnlineThroughputModel:
         self.refit_every = max(1, refit_every)
         self.max_samples = max_samples
         self.samples: list[Sample] = []
+        self._configs: dict[tuple, int] = {}  # configuration -> samples of it, kept in step by `add`
+        self._counted: list[Sample] | None = None  # the list (and its length) `_configs` counts
+        self._counted_n = 0
         self.model: ThroughputModel | None = prior
         self.status = "prior" if prior is not None else "no model"
         self._since = 0
 
     @property
     def distinct_configs(self) -> int:
-        return len({_config_key(s.allocation) for s in self.samples})
+        if self._counted is not self.samples or self._counted_n != len(self.samples):  # changed from outside
+            self._configs = {}
+            for s in self.samples:
+                k = _config_key(s.allocation)
+                self._configs[k] = self._configs.get(k, 0) + 1
+            self._counted, self._counted_n = self.samples, len(self.samples)
+        return len(self._configs)
 
     def add(self, sample: Sample, refit: bool = True) -> bool:
         """Record a sample; True when the model was refitted (`refit=False`: the caller refits when it decides)."""
         if not (sample.samples_per_s > 0 and math.isfinite(sample.samples_per_s)):
             return False  # a stalled interval (restart, pending) says nothing about throughput
+        in_step = self._counted is self.samples and self._counted_n == len(self.samples)
         self.samples.append(sample)
+        if in_step:
+            k = _config_key(sample.allocation)
+            self._configs[k] = self._configs.get(k, 0) + 1
         if len(self.samples) > self.max_samples:
+            dropped = self.samples[:-self.max_samples]
             self.samples = self.samples[-self.max_samples:]
+            for d in dropped if in_step else ():
+                k = _config_key(d.allocation)
+                self._configs[k] -= 1
+                if not self._configs[k]:
+                    del self._configs[k]
+        if in_step:
+            self._counted, self._counted_n = self.samples, len(self.samples)
         self._since += 1
         if refit and self._since >= self.refit_every:
             self._since = 0
@@ -345,7 +386,7 @@ class OnlineThroughputModel:
             # calibrate the prior's level to what we see, keep its shape
             obs = np.array([s.samples_per_s for s in self.samples])
             pred = self.prior.predict([s.allocation for s in self.samples])
-            k = float(np.median(pred / obs))
+            k = _median(pred / obs)
             self.model = ThroughputModel(self.prior.terms, tuple(c * k for c in self.prior.coef),
                                          fit_mape=mape(pred / k, obs), n_points=len(obs),
                                          meta={"source": "prior scaled"})
