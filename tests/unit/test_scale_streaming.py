@@ -1,4 +1,4 @@
-"""Flat-memory scoring of a day: the generator's StreamingAuc against the rank AUC, and the evaluate stage's
+"""Flat-memory scoring of a day: StreamingAuc against the rank AUC, and the evaluate stage's
 stream_metrics against recforge.train.metrics.evaluate (which holds every logit) on a small manifest."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 from recforge.config import DatasetConfig, DenseFeature, ModelConfig, SparseFeature
-from recforge.data.generator import StreamingAuc, generate_days
+from recforge.data.binned_auc import StreamingAuc
+from recforge.data.generator import generate_days
 from recforge.data.ingest import ingest
 from recforge.pipelines.stages.evaluate import stream_metrics
 from recforge.preprocess.executor import TorchExecutor

@@ -94,12 +94,12 @@ def stream_metrics(model: Any, executor: Any, manifest_dir: str | Path, batch_si
                    slab_rows: int = SLAB_ROWS) -> dict[str, float]:
     """{auc, logloss, ne, rows, auc_error_bound} of `model` (logits out) on every row of the manifest, read
     `slab_rows` at a time (recforge.data.shards.read_rows) and scored `batch_size` rows at a time: memory does not
-    grow with the day. logloss and NE are summed exactly; the AUC comes from recforge.data.generator.StreamingAuc
+    grow with the day. logloss and NE are summed exactly; the AUC comes from recforge.data.binned_auc.StreamingAuc
     (within auc_error_bound of the rank AUC). NonFiniteMetricsError on a NaN/inf logit (naming the row)."""
     import numpy as np  # lazy: numpy off the UI/CLI import path
     import torch  # lazy: torch off the UI/CLI import path
 
-    from recforge.data.generator import StreamingAuc  # lazy: pyarrow off the UI/CLI import path
+    from recforge.data.binned_auc import StreamingAuc  # lazy: numpy off the UI/CLI import path
     from recforge.data.shards import open_manifest, read_rows  # lazy: pyarrow off the UI/CLI import path
     from recforge.preprocess.batch import RawBatch  # lazy: torch off the UI/CLI import path
     from recforge.train.loop.batches import slice_raw  # lazy: torch off the UI/CLI import path
