@@ -98,7 +98,7 @@ def test_train_task_runs_corun_and_offline(recforge_home):
     assert choice.predicted_inline_ms > 0 and choice.predicted_corun_ms > 0
     runs = TrackingStore().stage_runs("recforge_daily", "auto")
     plan_run, train_run = runs["plan_resources"].data, runs["train"].data
-    assert plan_run.params["preprocessing_requested"] == "auto" and plan_run.params["preprocessing_mode"] == choice.mode
+    assert plan_run.params["preprocessing_requested"] == "auto" and plan_run.tags["preprocessing_mode"] == choice.mode
     assert plan_run.tags["preprocessing_reason"] == choice.reason
     assert plan_run.metrics["preprocessing_predicted_corun_ms"] == pytest.approx(choice.predicted_corun_ms)
     assert plan_run.metrics["preprocessing_predicted_inline_ms"] == pytest.approx(choice.predicted_inline_ms)
@@ -110,12 +110,12 @@ def test_train_task_runs_corun_and_offline(recforge_home):
         assert choice.mode == "inline" and choice.reason.endswith("not profiled") and not stored
         assert choice.predicted_corun_ms == pytest.approx(bound.train_lb_ms, abs=1e-3)
         assert choice.predicted_inline_ms == pytest.approx(bound.train_lb_ms + bound.inline_prep_ms, abs=1e-3)
-        assert plan_run.params["preprocessing_predicted_by"] == "bound"
+        assert plan_run.tags["preprocessing_predicted_by"] == "bound"
         assert plan_run.metrics["preprocessing_profile_s"] == 0
     else:  # profiled (and stored for the next run), then predicted from the profile
         assert len(stored) == 1 and plan_run.metrics["preprocessing_profile_s"] > 0
         assert choice.reason.startswith("auto: corun predicted")
-        assert plan_run.params["preprocessing_predicted_by"] == "profile"
+        assert plan_run.tags["preprocessing_predicted_by"] == "profile"
         assert (choice.mode == "corun") == (
             choice.predicted_corun_ms < choice.predicted_inline_ms * (1 - CORUN_MARGIN))
     assert auto.preprocessing == choice.mode == train_run.params["preprocessing_mode"]

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from recforge.config import ModelConfig, PipelineConfig
 from recforge.rap.planning.choice import (
     CORUN_MARGIN,
+    ModeChoice,
     ModePredictions,
     StepBound,
     choose_by_bound,
@@ -206,7 +207,7 @@ def test_cold_auto_within_the_bound_chooses_inline_without_profiling(monkeypatch
     assert m["preprocessing_predicted_corun_ms"] == pytest.approx(choice.predicted_corun_ms)
     assert m["preprocessing_profile_s"] == 0 and m["preprocessing_train_bound_s"] > 0
     assert "preprocessing_predicted_train_ms" not in m  # nothing profiled to predict the stages from
-    assert data.params["preprocessing_predicted_by"] == "bound" and data.params["preprocessing_mode"] == "inline"
+    assert data.tags["preprocessing_predicted_by"] == "bound" and data.tags["preprocessing_mode"] == "inline"
     assert data.tags["preprocessing_reason"] == choice.reason and choice.reason.endswith("not profiled")
     assert "not more than the 99% margin" in choice.reason
 
@@ -230,7 +231,7 @@ def test_auto_with_a_stored_profile_predicts_from_it_without_the_bound(monkeypat
     m = data.metrics
     assert m["preprocessing_predicted_train_ms"] == pytest.approx(sum(STAGE_MS.values()))
     assert m["preprocessing_profile_s"] == 0 and "preprocessing_train_bound_s" not in m
-    assert "preprocessing_train_bound_ms" not in m and data.params["preprocessing_predicted_by"] == "profile"
+    assert "preprocessing_train_bound_ms" not in m and data.tags["preprocessing_predicted_by"] == "profile"
 
 
 def _schedule(parts: list[tuple[str, str, float]], name: str = "p") -> CorunSchedule:
@@ -271,3 +272,21 @@ def test_measured_gantt_from_a_worker_summary():
     assert (wait["start"], wait["end"]) == (8.0, 8.25)
     charts.gantt(doc)
     assert measured_gantt({"measured_stage_ms": {"emb_fwd": 1.0}, "schedule": None}) is None  # no full step
+
+
+def test_a_retried_plan_task_may_choose_differently_without_failing(recforge_home):
+    """The mode and what predicted it come from measurements: a retry that measures its way to another choice
+    overwrites the tags instead of failing on an immutable param."""
+    from recforge.pipelines.hooks.rap_planning import log_choice
+    from recforge.tracking import TrackingStore
+
+    store = TrackingStore()
+    run_id = store.client.create_run(store.client.create_experiment("retry")).info.run_id
+    first = ModeChoice("auto", "inline", "auto: bound", predicted_inline_ms=10.0, predicted_corun_ms=9.9, bound=True)
+    second = ModeChoice("auto", "corun", "auto: corun predicted", predicted_inline_ms=10.0, predicted_corun_ms=5.0)
+    log_choice(store, run_id, first)
+    log_choice(store, run_id, second)
+    data = store.client.get_run(run_id).data
+    assert data.params == {"preprocessing_requested": "auto"}
+    assert data.tags["preprocessing_mode"] == "corun" and data.tags["preprocessing_predicted_by"] == "profile"
+    assert data.tags["preprocessing_reason"] == "auto: corun predicted"

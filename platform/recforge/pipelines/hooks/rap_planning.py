@@ -174,13 +174,15 @@ def profile_root(cfg) -> str:
 
 def log_choice(store, run_id: str, choice: ModeChoice, predictions: ModePredictions | None = None,
                bound: StepBound | None = None) -> None:
-    """The choice into the plan task's MLflow run: params (with what predicted it: the profile or the bound), the
-    reason as a tag, both predictions (lower bounds when bound) and, where measured, the bound as metrics."""
-    params = {"preprocessing_requested": choice.requested, "preprocessing_mode": choice.mode}
+    """The choice into the plan task's MLflow run: the request as a param; the mode, what predicted it (the profile
+    or the bound) and the reason as tags, since they come from measurements and a retried task may measure its way
+    to another choice (params are immutable); both predictions (lower bounds when bound) and, where measured, the
+    bound as metrics."""
+    store.log_params(run_id, {"preprocessing_requested": choice.requested})
+    tags = {"preprocessing_mode": choice.mode, "preprocessing_reason": choice.reason}
     if choice.predicted_inline_ms is not None:
-        params["preprocessing_predicted_by"] = "bound" if choice.bound else "profile"
-    store.log_params(run_id, params)
-    store.set_tags(run_id, {"preprocessing_reason": choice.reason})
+        tags["preprocessing_predicted_by"] = "bound" if choice.bound else "profile"
+    store.set_tags(run_id, tags)
     metrics = {"preprocessing_predicted_inline_ms": choice.predicted_inline_ms,
                "preprocessing_predicted_corun_ms": choice.predicted_corun_ms}
     if predictions is not None:

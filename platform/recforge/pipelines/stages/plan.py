@@ -42,8 +42,8 @@ def plan_resources(ctx: RunContext) -> PlanOutputs:
             rap_schedule = planned.rap_schedule
         else:  # inline / offline as configured: nothing to predict
             choice = choose_mode(cfg.preprocessing)
-            store.log_params(run_id, {"preprocessing_requested": choice.requested, "preprocessing_mode": choice.mode})
-            store.set_tags(run_id, {"preprocessing_reason": choice.reason})
+            store.log_params(run_id, {"preprocessing_requested": choice.requested})
+            store.set_tags(run_id, {"preprocessing_mode": choice.mode, "preprocessing_reason": choice.reason})
         # the fused groups the workers run (the page's "Fused groups"): what the fused executor (co-run, or the
         # fused / DALI executor inline) launches; the eager executor launches per op
         fusion = summary if choice.mode == "corun" or cfg.preprocess_executor in ("fused", "dali") else None
