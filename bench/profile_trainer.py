@@ -24,6 +24,7 @@ import platform
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -31,17 +32,10 @@ from pathlib import Path
 
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import cpu_model  # noqa: E402  # bench/_results.py
+
 ROWS_PER_SHARD = 10_000
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 class RssSampler(threading.Thread):
@@ -189,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume and args.out.exists():
         doc = json.loads(args.out.read_text())
     doc["conditions"] = {
-        "machine": {"cpu_model": _cpu_model(), "logical_cpus": os.cpu_count(),
+        "machine": {"cpu_model": cpu_model(), "logical_cpus": os.cpu_count(),
                     "memory_bytes": psutil.virtual_memory().total,
                     "python": platform.python_version(), "torch": __import__("torch").__version__,
                     "torchrec": __import__("torchrec").__version__},

@@ -5,52 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recforge.config import DatasetConfig, DenseFeature, SparseFeature
-from recforge.data.generator import generate_days
-from recforge.data.ingest import ingest
 from recforge.data.shards import read_rows
-from recforge.elastic.master.tasks import Task
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.executor import TorchExecutor
 from recforge.preprocess.planning.plan import criteo_plan
 from recforge.train.loop.batches import TaskBatches, empty
-
-DS = DatasetConfig(
-    name="tiny",
-    dense=[DenseFeature(name="I1", missing_rate=0.3)],
-    sparse=[SparseFeature(name="C1", cardinality=40, missing_rate=0.2), SparseFeature(name="C2", cardinality=9)],
-)
-
-
-class FakeClient:
-    def __init__(self, tasks):
-        self.tasks = list(tasks)
-        self.events: list[tuple] = []
-
-    def lease(self):
-        task = self.tasks.pop(0) if self.tasks else None
-        self.events.append(("lease", task.task_id if task else None))
-        return task
-
-    def done(self, task_id, samples):
-        self.events.append(("done", task_id, samples))
-        return True
+from task_source_fixtures import DS, FakeClient, task, tiny_shards
 
 
 @pytest.fixture(scope="module")
 def manifest_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("batches")
-    generate_days(DS, root / "raw", days=1, rows_per_day=230, seed=1)
-    ingest([root / "raw" / "day_0.tsv"], DS, root / "data", rows_per_shard=130, max_bad_fraction=0.0)
-    return root / "data"
-
-
-def _task(i, shard, a, b):
-    return Task(task_id=f"t{i}", epoch=0, shard=shard, row_start=a, row_end=b)
+    return tiny_shards(tmp_path_factory.mktemp("batches"))
 
 
 def test_rows_padding_and_done_reports(manifest_dir):
-    tasks = [_task(0, 0, 0, 50), _task(1, 0, 50, 50), _task(2, 1, 30, 100), _task(3, 0, 120, 130)]
+    tasks = [task(0, 0, 0, 50), task(1, 0, 50, 50), task(2, 1, 30, 100), task(3, 0, 120, 130)]
     client = FakeClient(tasks)
     ex = TorchExecutor(criteo_plan(DS, table_cap=16), DS)
     src = TaskBatches(client, manifest_dir, DS, ex, batch_size=32, device=torch.device("cpu"))

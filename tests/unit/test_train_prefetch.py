@@ -10,48 +10,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recforge.config import DatasetConfig, DenseFeature, SparseFeature
-from recforge.data.generator import generate_days
-from recforge.data.ingest import ingest
-from recforge.elastic.master.tasks import Task
 from recforge.preprocess.executor import TorchExecutor
 from recforge.preprocess.planning.plan import criteo_plan
 from recforge.train.loop.batches import TaskBatches
 from recforge.train.loop.prefetch import PrefetchBatches
+from task_source_fixtures import DS, FakeClient, task, tiny_shards
 
-DS = DatasetConfig(
-    name="tiny",
-    dense=[DenseFeature(name="I1", missing_rate=0.3)],
-    sparse=[SparseFeature(name="C1", cardinality=40, missing_rate=0.2), SparseFeature(name="C2", cardinality=9)],
-)
 CPU = torch.device("cpu")
-
-
-class FakeClient:
-    def __init__(self, tasks):
-        self.tasks = list(tasks)
-        self.events: list[tuple] = []
-
-    def lease(self):
-        task = self.tasks.pop(0) if self.tasks else None
-        self.events.append(("lease", task.task_id if task else None))
-        return task
-
-    def done(self, task_id, samples):
-        self.events.append(("done", task_id, samples))
-        return True
 
 
 @pytest.fixture(scope="module")
 def manifest_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prefetch")
-    generate_days(DS, root / "raw", days=1, rows_per_day=230, seed=1)
-    ingest([root / "raw" / "day_0.tsv"], DS, root / "data", rows_per_shard=130, max_bad_fraction=0.0)
-    return root / "data"
-
-
-def _task(i, shard, a, b):
-    return Task(task_id=f"t{i}", epoch=0, shard=shard, row_start=a, row_end=b)
+    return tiny_shards(tmp_path_factory.mktemp("prefetch"))
 
 
 def _source(manifest_dir, tasks, batch=32):
@@ -61,7 +31,7 @@ def _source(manifest_dir, tasks, batch=32):
 
 
 def test_rows_once_done_after_trained_and_progress_excludes_read_ahead(manifest_dir):
-    tasks = [_task(0, 0, 0, 50), _task(1, 0, 50, 50), _task(2, 1, 30, 100), _task(3, 0, 120, 130)]
+    tasks = [task(0, 0, 0, 50), task(1, 0, 50, 50), task(2, 1, 30, 100), task(3, 0, 120, 130)]
     client, inner = _source(manifest_dir, tasks)
     _, reference = _source(manifest_dir, tasks)
     src = PrefetchBatches(inner, depth=3)
@@ -93,7 +63,7 @@ def test_rows_once_done_after_trained_and_progress_excludes_read_ahead(manifest_
 
 
 def test_accumulation_steps_and_read_failure(manifest_dir):
-    client, inner = _source(manifest_dir, [_task(0, 0, 0, 70)], batch=32)
+    client, inner = _source(manifest_dir, [task(0, 0, 0, 70)], batch=32)
     src = PrefetchBatches(inner, accumulation=2, depth=2)
     first, second = src.next_step(), src.next_step()
     assert [b.real for b in first.micro] == [32, 32] and first.g_real == 64
@@ -108,7 +78,7 @@ def test_accumulation_steps_and_read_failure(manifest_dir):
         def read_task(self, task):
             raise OSError(f"shard {task.shard} unreadable")
 
-    bad = PrefetchBatches(Broken(FakeClient([_task(0, 1, 0, 10)]), manifest_dir, DS,
+    bad = PrefetchBatches(Broken(FakeClient([task(0, 1, 0, 10)]), manifest_dir, DS,
                                  TorchExecutor(criteo_plan(DS, table_cap=16), DS), batch_size=8, device=CPU))
     with pytest.raises(RuntimeError, match="preparing step 1 failed.*shard 1 unreadable"):
         bad.next_step()
@@ -151,7 +121,7 @@ def test_two_ranks_share_counts_and_end_together(manifest_dir):
 
     def rank_loop(rank):
         try:
-            client = FakeClient([_task(*t) for t in RANK_TASKS[rank]])
+            client = FakeClient([task(*t) for t in RANK_TASKS[rank]])
             ex = TorchExecutor(criteo_plan(DS, table_cap=16), DS)
             src = PrefetchBatches(TaskBatches(client, manifest_dir, DS, ex, batch_size=16, device=CPU), depth=2,
                                   group=side[rank], world_size=2, timeout_s=60)
