@@ -20,7 +20,7 @@ recforge.train.metrics.evaluate; the reference: its sharded model).
 
     python bench/bench_train_peer.py                     # 2.4M rows, 2 ranks x 1 thread, batch 512, 3 rounds
     python bench/bench_train_peer.py --rows 200000 --rounds 1
-    RECFORGE_TRAIN_PREFETCH=0 python bench/bench_train_peer.py --rows 200000   # recforge's loop without prefetching
+    python bench/bench_train_peer.py --rows 200000 --sides recforge,recforge_sync   # also without prefetching
 
 Writes bench/results/bench_train_peer.json (temp + rename) and prints a table. A configuration the machine cannot
 hold (more ranks x threads than cores, data beyond the memory available) is refused before anything runs.
@@ -126,7 +126,9 @@ def reference_rows(root: Path, ds, plan, train_manifest, eval_manifest) -> Path:
 def run_recforge(root: Path, ds, plan, train_manifest, *, workers: int, threads: int, batch: int, seed: int,
                  tag: str, prefetch: int | None = None) -> dict[str, Any]:
     """One real training job over every training row; samples/s from the worker's result, AUC on the held-out day.
-    `prefetch`: the workers' RECFORGE_TRAIN_PREFETCH (None: as in this environment; 0: the synchronous loop)."""
+    `prefetch`: the spec's train.prefetch_steps (0: the synchronous loop), env RECFORGE_TRAIN_PREFETCH cleared for
+    the job; None: TrainConfig's default, which that env var overrides where set. The depth reported is the one the
+    workers ran (their result)."""
     from recforge.config import ModelConfig, ResourceConfig, TrainConfig
     from recforge.config.pipeline import CheckpointConfig
     from recforge.elastic.backends.local import LocalBackend
@@ -140,7 +142,8 @@ def run_recforge(root: Path, ds, plan, train_manifest, *, workers: int, threads:
 
     job = root / "jobs" / tag
     shutil.rmtree(job, ignore_errors=True)
-    model, train, ck = ModelConfig(), TrainConfig(batch_size=batch), CheckpointConfig()
+    model, ck = ModelConfig(), CheckpointConfig()
+    train = TrainConfig(batch_size=batch, **({"prefetch_steps": prefetch} if prefetch is not None else {}))
     phases_dir = job / "phases"
     spec = WorkerSpec(
         manifest_dir=root / "train", plan_path=root / "plan.json", preprocess_executor="fused", dataset=ds,
@@ -153,9 +156,8 @@ def run_recforge(root: Path, ds, plan, train_manifest, *, workers: int, threads:
     resources = ResourceConfig(policy="static", workers=workers, threads_per_worker=threads, max_restarts=0)
     saved_env = {k: os.environ.get(k) for k in ("RECFORGE_STEP_PHASES", "RECFORGE_TRAIN_PREFETCH")}
     os.environ["RECFORGE_STEP_PHASES"] = str(phases_dir)
-    if prefetch is not None:
-        os.environ["RECFORGE_TRAIN_PREFETCH"] = str(prefetch)
-    depth = os.environ.get("RECFORGE_TRAIN_PREFETCH", "2 (default)")
+    if prefetch is not None:  # the spec decides
+        os.environ.pop("RECFORGE_TRAIN_PREFETCH", None)
     t0 = time.perf_counter()
     try:
         result = run_training_job(spec, [s.rows for s in train_manifest.shards], resources=resources,
@@ -180,7 +182,7 @@ def run_recforge(root: Path, ds, plan, train_manifest, *, workers: int, threads:
            "sharding_plan": worker["sharding_plan"], "phases": phases,
            "checkpoints": sum(e["event"] == "checkpoint" for e in events),
            "checkpoint_stall_s": sum(float(e.get("stall_s") or 0.0) for e in events if e["event"] == "checkpoint"),
-           "prefetch_depth": depth}
+           "prefetch_depth": worker.get("prefetch_steps")}
     shutil.rmtree(job, ignore_errors=True)
     return out
 
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sides", default="recforge,reference",
                     help="comma list of recforge, reference, recforge_sync (recforge's loop without prefetching: "
-                         "RECFORGE_TRAIN_PREFETCH=0, the before/after comparison)")
+                         "train.prefetch_steps=0, the before/after comparison)")
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_train_peer.json")
     args = ap.parse_args(argv)
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]

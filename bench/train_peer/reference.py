@@ -118,26 +118,31 @@ def build(model_cfg: ModelConfig, train: TrainConfig, tables: list[tuple[str, in
 def _phases(dmp: DistributedModelParallel, opt: CombinedOptimizer, batches: list[Batch]) -> dict[str, float]:
     """Seconds per phase over `batches` without pipelining (timers; CPU ops are synchronous): data (taking the next
     in-memory batch), forward (input all-to-all, lookup, output all-to-all, MLPs, loss), backward (embedding
-    gradients' all-to-all, the fused update, DDP's all_reduce), optimizer (dense step)."""
-    out = dict.fromkeys(("data", "forward", "backward", "optimizer"), 0.0)
+    gradients' all-to-all, the fused update, DDP's all_reduce), optimizer (dense step); wall and the loop thread's
+    CPU seconds (`<phase>_cpu_s`, as recforge's PhaseTimes)."""
+    names = ("data", "forward", "backward", "optimizer")
+    wall, cpu = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
+    marks = [(time.perf_counter(), time.thread_time())]
+
+    def mark(phase: str) -> None:
+        now = (time.perf_counter(), time.thread_time())
+        wall[phase] += now[0] - marks[-1][0]
+        cpu[phase] += now[1] - marks[-1][1]
+        marks[-1] = now
+
     it = iter(batches)
-    t = time.perf_counter()
     for _ in range(len(batches)):
         b = next(it)
-        t1 = time.perf_counter()
+        mark("data")
         loss, _ = dmp(b)
-        t2 = time.perf_counter()
+        mark("forward")
         loss.backward()
-        t3 = time.perf_counter()
+        mark("backward")
         opt.step()
         opt.zero_grad()
-        t4 = time.perf_counter()
-        out["data"] += t1 - t
-        out["forward"] += t2 - t1
-        out["backward"] += t3 - t2
-        out["optimizer"] += t4 - t3
-        t = t4
-    return {"steps": float(len(batches)), **{f"{k}_s": v for k, v in out.items()}}
+        mark("optimizer")
+    return {"steps": float(len(batches)), **{f"{k}_s": v for k, v in wall.items()},
+            **{f"{k}_cpu_s": v for k, v in cpu.items()}}
 
 
 def _rank(rank: int, world: int, port: int, cfg: dict[str, Any], out_dir: str) -> None:
@@ -192,7 +197,8 @@ def _rank(rank: int, world: int, port: int, cfg: dict[str, Any], out_dir: str) -
             z = np.concatenate([p[1] for p in parts])
             rows = steps * train.batch_size * world
             # the same loop without the pipeline, from the phase profile (slowest rank: the ranks step in lockstep)
-            unpiped = max(sum(v for k, v in p.items() if k.endswith("_s")) for p in all_phases)
+            unpiped = max(sum(v for k, v in p.items() if k.endswith("_s") and not k.endswith("_cpu_s"))
+                          for p in all_phases)
             report = {"samples": rows, "steps": steps, "train_wall_s": wall, "samples_per_s": rows / wall,
                       "unpipelined_samples_per_s": prof_n * train.batch_size * world / max(unpiped, 1e-9),
                       "heldout_auc": auc(y, z), "heldout_logloss": logloss(y, z), "heldout_rows": int(y.size),

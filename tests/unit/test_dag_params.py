@@ -21,7 +21,7 @@ SWITCHES = {
     "table_cap", "model_arch", "source_uri", "preprocessing", "corun_mapping", "preprocess_executor",
     "preprocess_plan", "resources_policy", "max_restarts", "checkpoint_every_steps", "checkpoint_flash", "warm_start",
     "champion_margin", "champion_min_auc", "champion_min_rows", "job_timeout_s",
-    "ready_marker", "holdout", "holdout_fraction", "sensor_timeout_s", "sensor_poke_s",
+    "ready_marker", "holdout", "holdout_fraction", "sensor_timeout_s", "sensor_poke_s", "prefetch_steps",
 }
 
 
@@ -82,7 +82,8 @@ def test_params_nest_into_the_config():
         {"workers": 3, "batch_size": 32, "model_arch": "dlrm_dcn", "preprocessing": "corun", "source_uri": "",
          "corun_mapping": False, "resources_policy": "static", "max_restarts": 0, "checkpoint_every_steps": 0,
          "checkpoint_flash": False, "warm_start": "scratch", "preprocess_executor": "eager",
-         "preprocess_plan": "plan1", "threads_per_worker": 2, "champion_min_rows": 10, "champion_margin": 0}))
+         "preprocess_plan": "plan1", "threads_per_worker": 2, "champion_min_rows": 10, "champion_margin": 0,
+         "prefetch_steps": 0}))
     assert (cfg.resources.workers, cfg.train.batch_size, cfg.model.arch, cfg.preprocessing) \
         == (3, 32, "dlrm_dcn", "corun")
     assert cfg.corun.mapping is False  # a boolean False is a setting, not "not set"
@@ -91,6 +92,7 @@ def test_params_nest_into_the_config():
     assert (cfg.checkpoint.every_steps, cfg.checkpoint.flash, cfg.train.warm_start) == (0, False, "scratch")
     assert (cfg.preprocess_executor, cfg.preprocess_plan, cfg.champion_min_rows, cfg.champion_margin) \
         == ("eager", "plan1", 10, 0.0)
+    assert cfg.train.prefetch_steps == 0  # 0 is a setting (the synchronous loop), not "not set"
 
 
 def test_an_unknown_conf_key_is_named():
@@ -103,6 +105,8 @@ def test_an_unknown_conf_key_is_named():
     ({"max_restarts": -1}, "param 'max_restarts': must be >= 0, got -1"),
     ({"champion_min_auc": 1.5}, "param 'champion_min_auc': must be <= 1.0, got 1.5"),
     ({"rows_per_day": 99}, "param 'rows_per_day': must be >= 100, got 99"),
+    ({"prefetch_steps": -1}, "param 'prefetch_steps': must be >= 0, got -1"),
+    ({"prefetch_steps": "off"}, "param 'prefetch_steps': must be an integer, got 'off' (str)"),
     ({"workers": "two"}, "param 'workers': must be an integer, got 'two' (str)"),
     ({"workers": "2"}, "param 'workers': must be an integer, got '2' (str)"),  # the form's type, not pydantic's lax one
     ({"epochs": True}, "param 'epochs': must be an integer, got True (bool)"),

@@ -9,7 +9,7 @@ from recforge.data.shards import read_rows
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.executor import TorchExecutor
 from recforge.preprocess.planning.plan import criteo_plan
-from recforge.train.loop.batches import TaskBatches, empty
+from recforge.train.loop.batches import TaskBatches, empty, prepare
 from task_source_fixtures import DS, FakeClient, task, tiny_shards
 
 
@@ -53,3 +53,22 @@ def test_empty_batch_has_zero_weight():
     b = empty(DS, 8, ex, torch.device("cpu"))
     assert b.real == 0 and b.weights.sum().item() == 0 and b.dense.shape == (8, 1)
     assert b.sparse.stride() == 8 and b.sparse.values().numel() == 16
+
+
+def test_full_batch_is_not_copied_and_equals_the_padded_path(manifest_dir):
+    """A batch of exactly batch_size rows skips the pad copy; its features equal what the padding path gives the
+    same rows, its weights are all 1, and its KJT already has per-key lengths / offsets (synced off the step)."""
+    ex = TorchExecutor(criteo_plan(DS, table_cap=16), DS)
+    raw = RawBatch.from_arrow(read_rows(manifest_dir, 0, 0, 32), DS)
+    full = prepare(raw, 32, ex, torch.device("cpu"))
+    padded, weights = raw.pad_to(33)
+    dense, kjt = ex(padded)
+    assert full.real == 32 and full.weights.dtype == torch.float32 and bool((full.weights == 1).all())
+    torch.testing.assert_close(full.dense, dense[:32])
+    torch.testing.assert_close(full.labels, raw.label)
+    assert full.labels.data_ptr() == raw.label.data_ptr()  # no copy of the task's rows
+    assert full.sparse._length_per_key is not None and full.sparse._offset_per_key is not None
+    for key in ("C1", "C2"):
+        torch.testing.assert_close(full.sparse[key].values(), kjt[key].values()[: full.sparse[key].values().numel()])
+    with pytest.raises(ValueError, match="cannot pad 32 rows down to 16"):
+        prepare(raw, 16, ex, torch.device("cpu"))

@@ -43,6 +43,9 @@ class TrainConfig(StrictModel):
     dense_optimizer: Literal["adam", "sgd"] = Field("adam", description="optimizer of the dense (MLP) parameters")
     dense_lr: float = Field(0.002, gt=0, description="learning rate of the dense optimizer")
     batches_per_task: int = Field(8, ge=1, description="data-shard task size handed out by the job master")
+    prefetch_steps: int = Field(
+        2, ge=0, description="steps each rank prepares ahead on a thread (lease, read, preprocess); 0 = synchronous "
+        "loop; unused with preprocessing corun (RAP's source reads ahead itself)")
     log_every: int = Field(20, ge=1)
     sharding: Literal["auto", "table_wise", "column_wise", "data_parallel"] = "auto"
     fused_embeddings: bool = Field(True, description="FBGEMM TBE with the optimizer applied in backward")

@@ -52,6 +52,7 @@ PARAM_FIELDS: dict[str, tuple[str, ...]] = {
     "embedding_lr": ("train", "embedding_lr"),
     "dense_optimizer": ("train", "dense_optimizer"),
     "dense_lr": ("train", "dense_lr"),
+    "prefetch_steps": ("train", "prefetch_steps"),
     "workers": ("resources", "workers"),
     "threads_per_worker": ("resources", "threads_per_worker"),
     "resources_policy": ("resources", "policy"),

@@ -93,6 +93,9 @@ class WorkerResult(_Record):
     peak_rss_bytes: list[float] | None = Field(
         None, description="peak resident memory of each rank of this generation (bytes, by rank): DLRover-RM's "
         "memory model is fitted on these")
+    prefetch_steps: int | None = Field(
+        None, ge=0, description="steps each rank prepared ahead on the prefetch thread as run: train.prefetch_steps, "
+        "or env RECFORGE_TRAIN_PREFETCH; 0: the synchronous loop (RAP co-run always); None: not recorded")
 
     def save(self, output_dir: str | Path) -> Path:
         """Write `output_dir`/result.json atomically (temp file + rename)."""

@@ -50,25 +50,30 @@ from recforge.worker.init_checkpoint import load_init_checkpoint
 log = logging.getLogger(__name__)
 
 PROBE_FILE = "probe.pt"
-PREFETCH_ENV = "RECFORGE_TRAIN_PREFETCH"  # steps built ahead on the prefetch thread (default 2; 0: off, synchronous)
+# overrides train.prefetch_steps (profiling without a new config); the result records the depth that ran
+PREFETCH_ENV = "RECFORGE_TRAIN_PREFETCH"
 PHASES_ENV = "RECFORGE_STEP_PHASES"  # a directory: each rank writes its step loop's time per phase there (profiling)
-DEFAULT_PREFETCH = 2
 # with the prefetch thread, the training thread waits for the GIL after each C++ op the thread overlapped; Python's
 # default 5 ms switch interval would add up to that per wait (the convoy effect), so the worker switches faster
 PREFETCH_SWITCH_INTERVAL_S = 0.0005
 
 
-def prefetch_depth() -> int:
-    """Steps a rank prepares ahead (PrefetchBatches) from env RECFORGE_TRAIN_PREFETCH; 0 turns prefetching off."""
+def prefetch_depth(spec: WorkerSpec, corun: bool) -> int:
+    """Steps a rank prepares ahead (PrefetchBatches; 0: the synchronous loop): spec.train.prefetch_steps, or env
+    RECFORGE_TRAIN_PREFETCH where set; always 0 with RAP's co-run, whose source reads ahead itself."""
+    if corun:
+        return 0
     raw = os.environ.get(PREFETCH_ENV, "").strip()
     if not raw:
-        return DEFAULT_PREFETCH
+        return spec.train.prefetch_steps
     try:
         depth = int(raw)
     except ValueError:
-        raise ValueError(f"{PREFETCH_ENV}={raw!r}: expected a step count >= 0") from None
+        depth = -1
     if depth < 0:
-        raise ValueError(f"{PREFETCH_ENV}={raw!r}: expected a step count >= 0")
+        raise ValueError(f"{PREFETCH_ENV}={raw!r}: expected a step count >= 0 (it overrides train.prefetch_steps)")
+    if depth != spec.train.prefetch_steps:
+        log.warning("%s=%d overrides train.prefetch_steps=%d", PREFETCH_ENV, depth, spec.train.prefetch_steps)
     return depth
 
 
@@ -151,6 +156,8 @@ class RecordedCheckpointer(Checkpointer):
 def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> WorkerResult | None:
     """Train this rank; rank 0 returns (and writes) the result, other ranks and a stopped group return None."""
     t_start = time.perf_counter()
+    # first: a bad RECFORGE_TRAIN_PREFETCH fails before the master is joined; RAP's co-run reads ahead itself (0)
+    depth = prefetch_depth(spec, corun=spec.preprocessing == "corun")
     rec = spec.recovery
     generation = launch_generation(spec)
     accumulation = rec.grad_accumulation
@@ -212,7 +219,6 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
     samples_before = sum(e.samples for e in state.epochs) + (start.current.samples if start.current else 0)
     corun = start_session(spec, plan, sharded, device, mapping=mapping, rank=rank, world_size=world_size,
                           batch_size=micro)  # RAP co-running, else None; created last: the try below closes it
-    depth = prefetch_depth() if corun is None else 0  # RAP's co-run source reads ahead itself
     # the prefetch thread's per-step all_reduce runs on its own gloo group, beside the model's collectives
     side_group = dist.new_group(backend="gloo") if depth and world_size > 1 else None
     if depth:
@@ -302,6 +308,7 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
         rap=corun.summary() if corun is not None else None,
         executor=ExecutedPreprocessing.model_validate(executed),
         peak_rss_bytes=peak_rss,
+        prefetch_steps=depth,
     )
     out = Path(spec.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -138,8 +138,7 @@ def train(ctx: RunContext) -> TrainOutputs:
         worker = WorkerResult.load(spec.output_dir)
         checkpoints = checkpoint_record(work, ck.every_steps, ck.flash, task_started=task["time"])
         kept = _keep_job_files(work, w.tmp / "job")  # the work dir goes after the commit; the evidence stays
-        store.log_params(run_id, {"steps": worker.steps, "world_size": worker.world_size,
-                                  "batch_size": worker.batch_size})
+        _log_shape(store, run_id, worker)
         store.log_metrics(run_id, {"samples_per_s": worker.samples_per_s, "wall_s": worker.wall_s,
                                    **({"final_train_loss": worker.final_loss} if worker.final_loss is not None else {}),
                                    **_checkpoint_metrics(checkpoints)})
@@ -150,6 +149,7 @@ def train(ctx: RunContext) -> TrainOutputs:
         # mode and why, predicted vs measured step time, mapping imbalance; co-run: schedule, Gantt, timeline
         rap_schedule = log_preprocessing(store, run_id, plan, worker)
         executor = _executor_record(store, run_id, worker, offline_ran)
+        log_prefetch(store, run_id, worker)
         log.info("checkpoints: %s", checkpoints.model_dump_json())
         return TrainOutputs(
             checkpoint_dir=str(w.final / "checkpoint"), samples_per_s=worker.samples_per_s, steps=worker.steps,
@@ -184,6 +184,26 @@ def _executor_record(store, run_id: str, worker: WorkerResult, offline: dict[str
     store.log_dict(run_id, record.model_dump(mode="json"), "executor.json")
     log.info("preprocessing executed: %s (native kernels %s)", record.path, record.native_kernels)
     return record
+
+
+def _log_shape(store, run_id: str, worker: WorkerResult) -> None:
+    """Steps, world size and batch size the job ended with, as tags (always this attempt's) and params: a retried
+    task whose job was rescaled (DLRover-RM) ends at another world size than an earlier attempt logged, and
+    params are immutable, so the params keep the first attempt's values then."""
+    fields = {"steps": worker.steps, "world_size": worker.world_size, "batch_size": worker.batch_size}
+    store.set_tags(run_id, fields)
+    try:
+        store.log_params(run_id, fields)
+    except ValueError as e:
+        log.warning("job shape params kept from an earlier attempt (%s); the tags hold this attempt's", e)
+
+
+def log_prefetch(store, run_id: str, worker: WorkerResult) -> None:
+    """The prefetch depth the workers ran (WorkerResult.prefetch_steps: 0 under RAP co-run or the env override's
+    value) as tag `prefetch_steps`: a tag, since a retried task may run another depth than an earlier attempt
+    logged; the param `train.prefetch_steps` stays what was configured."""
+    if worker.prefetch_steps is not None:
+        store.set_tags(run_id, {"prefetch_steps": worker.prefetch_steps})
 
 
 def load_trained(ctx: RunContext):

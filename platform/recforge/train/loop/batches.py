@@ -64,10 +64,16 @@ def slice_raw(raw: RawBatch, start: int, end: int) -> RawBatch:
 
 
 def prepare(raw: RawBatch, batch_size: int, executor: Executor, device: torch.device) -> Batch:
-    """Pad `raw` to batch_size with zero-weight rows and preprocess it."""
-    padded, weights = raw.pad_to(batch_size)
+    """Pad `raw` to batch_size with zero-weight rows and preprocess it. The KJT's per-key lengths and offsets are
+    computed here (`sync`), where the batch is built (on the prefetch thread), not in the model's input
+    all-to-all on the step's path."""
+    if raw.rows == batch_size:  # a full batch: nothing to pad, no copy
+        padded, weights = raw, torch.ones(batch_size, dtype=torch.float32)
+    else:
+        padded, weights = raw.pad_to(batch_size)
     dense, kjt = executor(padded.to(device))
-    return Batch(dense=dense, sparse=kjt, labels=padded.label.to(device), weights=weights.to(device), real=raw.rows)
+    return Batch(dense=dense, sparse=kjt.sync(), labels=padded.label.to(device), weights=weights.to(device),
+                 real=raw.rows)
 
 
 def empty(dataset: DatasetConfig, batch_size: int, executor: Executor, device: torch.device) -> Batch:

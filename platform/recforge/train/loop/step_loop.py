@@ -32,24 +32,29 @@ class PhaseTimes:
     """Seconds a rank's step loop spent per phase (wall clock, CPU: every op is synchronous): data (waiting for
     the step's batches and global counts), forward, backward, optimizer, coordination (done reports, heartbeats,
     window metrics, the window hook). TorchRec's all-to-alls run inside forward / backward, DDP's all_reduce in
-    backward."""
+    backward. Also the loop thread's CPU seconds per phase (`time.thread_time`): wall minus CPU is time spent
+    waiting (for the other ranks in a collective, or for a core)."""
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.cpu_seconds = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
         self._t = time.perf_counter()
+        self._c = time.thread_time()
 
     def mark(self, phase: str) -> None:
         """Charge the time since the previous mark to `phase`."""
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         self.seconds[phase] += now - self._t
-        self._t = now
+        self.cpu_seconds[phase] += cpu - self._c
+        self._t, self._c = now, cpu
 
     def restart(self) -> None:
-        self._t = time.perf_counter()
+        self._t, self._c = time.perf_counter(), time.thread_time()
 
     def to_dict(self) -> dict[str, float]:
-        return {"steps": float(self.steps), **{f"{k}_s": v for k, v in self.seconds.items()}}
+        return {"steps": float(self.steps), **{f"{k}_s": v for k, v in self.seconds.items()},
+                **{f"{k}_cpu_s": v for k, v in self.cpu_seconds.items()}}
 
 
 MetricsSink = Callable[[dict[str, float], int], None]  # (metrics, step); called on rank 0 only

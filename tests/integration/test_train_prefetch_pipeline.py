@@ -1,0 +1,42 @@
+"""The train task runs the prefetch depth the trigger form set (train.prefetch_steps) and records what ran: the
+worker result's prefetch_steps and the train run's MLflow tag, the env override's value where that is set."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CONF = {"rows_per_day": 1200, "rows_per_shard": 600, "seed": 3, "table_cap": 500, "preprocessing": "inline",
+        "model": {"embedding_dim": 8, "dense_arch": [16, 8], "over_arch": [16, 1]},
+        "resources": {"workers": 1, "policy": "static"}, "checkpoint": {"every_steps": 0, "flash": False}}
+
+
+def _train(home, key: str, prefetch_steps: int):
+    from recforge.pipelines.context import RunContext
+    from recforge.pipelines.stages.data import generate, ingest
+    from recforge.pipelines.stages.plan import plan_resources
+    from recforge.pipelines.stages.train import train
+    from recforge.tracking import TrackingStore
+    from recforge.train.result import WorkerResult
+
+    ctx = RunContext.create(key, {**CONF, "train": {"batch_size": 128, "log_every": 2, "batches_per_task": 2,
+                                                    "prefetch_steps": prefetch_steps}}, home=home)
+    generate(ctx)
+    ingest(ctx)
+    plan_resources(ctx)
+    out = train(ctx)
+    worker = WorkerResult.load(home / "runs" / "recforge_daily" / key / "train" / "worker")
+    data = TrackingStore().client.get_run(out.mlflow_run_id).data
+    return out, worker, data
+
+
+def test_the_configured_depth_runs_and_the_override_is_what_is_recorded(recforge_home, monkeypatch):
+    monkeypatch.delenv("RECFORGE_TRAIN_PREFETCH", raising=False)
+    sync, worker, data = _train(recforge_home, "sync", 0)
+    assert worker.prefetch_steps == 0 and sync.steps == 10  # 1200 rows in batches of 128
+    assert (data.params["train.prefetch_steps"], data.tags["prefetch_steps"]) == ("0", "0")
+
+    monkeypatch.setenv("RECFORGE_TRAIN_PREFETCH", "1")  # the workers' override: what ran, not what was configured
+    ahead, worker, data = _train(recforge_home, "ahead", 3)
+    assert worker.prefetch_steps == 1 and ahead.steps == sync.steps
+    assert (data.params["train.prefetch_steps"], data.tags["prefetch_steps"]) == ("3", "1")
