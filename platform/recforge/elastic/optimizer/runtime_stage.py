@@ -77,10 +77,15 @@ class RuntimeStage:
         allow_servers = (self.last_server_change_s is None
                          or obs.time_s - self.last_server_change_s >= self.cfg.server_interval_s)
         start, notes = self._rightsize(obs, allow_servers) if self.cfg.rightsize else (obs.plan, [])
+        frozen = self._idle_groups(obs)
+        first = None  # the search's first scoring; from the current plan it also explains a hold (computed once)
         try:
+            if start == obs.plan:
+                first = best_moves(start, model, self.limits, self.cfg, self.job, self.memory,
+                                   allow_servers=allow_servers, frozen=frozen)
             plan, moves = search(start, model, self.limits, self.cfg, self.job, self.memory,
                                  max_units=self.cfg.max_units_per_step, allow_servers=allow_servers,
-                                 frozen=self._idle_groups(obs))
+                                 frozen=frozen, first=first)
         except MODEL_ERRORS as e:  # a degenerate model must not take the job down: keep the plan
             return self._hold(f"search failed ({describe(e)}): keeping the plan", obs, action="fallback")
         if plan == obs.plan:
@@ -111,8 +116,9 @@ class RuntimeStage:
             return self._hold(payoff, obs,
                               prediction={"samples_per_s": model.predict(obs.plan.allocation(self.job.host_cores))})
         if not moves:
-            grow, shrink = best_moves(obs.plan, model, self.limits, self.cfg, self.job, self.memory,
-                                      allow_servers=allow_servers, frozen=self._idle_groups(obs))
+            grow, shrink = first if first is not None else best_moves(
+                obs.plan, model, self.limits, self.cfg, self.job, self.memory, allow_servers=allow_servers,
+                frozen=frozen)
             why = (f"best growth {grow.action} has marginal ratio {grow.ratio:.2f} < {self.cfg.min_gain_ratio}"
                    if grow is not None else "no growth fits the limits")
             return self._hold(why, obs,

@@ -4,6 +4,7 @@ move with the best predicted throughput gain per unit of added cost while the ma
 into the job's limits."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,20 +29,27 @@ def plan_cost(plan: PodPlan, cfg: OptimizerConfig) -> float:
     return plan.cpu_total + plan.memory_total / GiB / cfg.gib_per_core
 
 
+_NAMES = {True: ("add_worker", "add_cpu_per_worker", "add_server", "add_cpu_per_server"),
+          False: ("remove_worker", "remove_cpu_per_worker", "remove_server", "remove_cpu_per_server")}
+
+
 def candidates(plan: PodPlan, grow: bool, ps: bool) -> list[tuple[str, PodPlan]]:
-    """The unit moves from `plan` (add or remove one worker, server or core per pod), named by action."""
+    """The unit moves from `plan` (add or remove one worker, server or core per pod), named by action; a move
+    that would leave a count below 1 is not one."""
     d = 1 if grow else -1
-    verb = "add" if grow else "remove"
-    changes: list[tuple[str, dict[str, Any]]] = [("worker", {"workers": plan.workers + d}),
-                                                 ("cpu_per_worker", {"cpu_per_worker": plan.cpu_per_worker + d})]
-    if ps:
-        changes += [("server", {"servers": plan.servers + d}),
-                    ("cpu_per_server", {"cpu_per_server": plan.cpu_per_server + d})]
+    names = _NAMES[grow]
+    w, c, m, b = plan.workers, plan.cpu_per_worker, plan.memory_per_worker, plan.batch_size
+    sv, cs, ms = plan.servers, plan.cpu_per_server, plan.memory_per_server
     out = []
-    for name, change in changes:
-        if min(change.values()) < 1:
-            continue
-        out.append((f"{verb}_{name}", _with(plan, **change)))
+    if w + d >= 1:
+        out.append((names[0], PodPlan(w + d, c, m, b, sv, cs, ms)))
+    if c + d >= 1:
+        out.append((names[1], PodPlan(w, c + d, m, b, sv, cs, ms)))
+    if ps:
+        if sv + d >= 1:
+            out.append((names[2], PodPlan(w, c, m, b, sv + d, cs, ms)))
+        if cs + d >= 1:
+            out.append((names[3], PodPlan(w, c, m, b, sv, cs + d, ms)))
     return out
 
 
@@ -59,6 +67,12 @@ def _with(plan: PodPlan, **change: Any) -> PodPlan:
     """dataclasses.replace for the search's inner loop (the same fields through __init__, without its
     per-call field introspection)."""
     return PodPlan(**{**plan.__dict__, **change})
+
+
+def _row(plan: PodPlan, host: float | None) -> tuple[float, float, float, float, float, float]:
+    """`row_values(plan.allocation(host))` without building the Allocation (the search scores ~5 plans a move)."""
+    return (float(plan.workers), float(plan.cpu_per_worker), float(plan.batch_size), float(max(plan.servers, 0)),
+            float(plan.cpu_per_server) if plan.servers else 1.0, float(host) if host else math.inf)
 
 
 def job_steps(job: JobDescription, plan: PodPlan) -> float:
@@ -82,33 +96,39 @@ def best_moves(plan: PodPlan, model: ThroughputModel, limits: JobLimits, cfg: Op
             if is_grow and not limits.fits(p):
                 continue
             cands.append((is_grow, action, p))
-    thr = model.predict([plan.allocation(host)] + [p.allocation(host) for _, _, p in cands])
-    base, base_cost = float(thr[0]), plan_cost(plan, cfg)
+    thr = model.predict_rows([_row(plan, host)] + [_row(p, host) for _, _, p in cands])
+    base, base_cost = thr[0], plan_cost(plan, cfg)
     avg = base / base_cost
-    grow, shrink = None, None
-    for (is_grow, action, p), t in zip(cands, thr[1:], strict=True):
-        gain = float(t) - base
+    grow, shrink = None, None  # (index into cands, gain, cost, ratio) of the best so far
+    for i, t in enumerate(thr[1:]):
+        is_grow, p = cands[i][0], cands[i][2]
+        gain = t - base
         cost = plan_cost(p, cfg) - base_cost
         if cost == 0:
             continue
         # for a shrink gain<0 and cost<0: the ratio is the throughput lost per unit saved
         ratio = (gain / cost) / avg if avg > 0 else 0.0
-        mv = Move(action, p, gain, cost, ratio)
-        if is_grow and (grow is None or ratio > grow.ratio):
-            grow = mv
-        if not is_grow and (shrink is None or ratio < shrink.ratio):
-            shrink = mv
-    return grow, shrink
+        if is_grow and (grow is None or ratio > grow[3]):
+            grow = (i, gain, cost, ratio)
+        if not is_grow and (shrink is None or ratio < shrink[3]):
+            shrink = (i, gain, cost, ratio)
+    return ((Move(cands[grow[0]][1], cands[grow[0]][2], *grow[1:]) if grow is not None else None),
+            (Move(cands[shrink[0]][1], cands[shrink[0]][2], *shrink[1:]) if shrink is not None else None))
 
 
 def search(plan: PodPlan, model: ThroughputModel, limits: JobLimits, cfg: OptimizerConfig, job: JobDescription,
            mem: MemoryModel | None = None, *, max_units: int | None = None, allow_servers: bool = True,
-           frozen: frozenset[str] = frozenset()) -> tuple[PodPlan, list[Move]]:
-    """Greedy marginal-gain search from `plan`: grow while the ratio holds, else shrink while it is cheap."""
+           frozen: frozenset[str] = frozenset(),
+           first: tuple[Move | None, Move | None] | None = None) -> tuple[PodPlan, list[Move]]:
+    """Greedy marginal-gain search from `plan`: grow while the ratio holds, else shrink while it is cheap.
+    `first`: `best_moves` from `plan` with these arguments, when the caller already has it (not computed again)."""
     moves: list[Move] = []
     limit = max_units if max_units is not None else 10_000
     while len(moves) < limit:
-        grow, shrink = best_moves(plan, model, limits, cfg, job, mem, allow_servers=allow_servers, frozen=frozen)
+        if first is not None:
+            (grow, shrink), first = first, None
+        else:
+            grow, shrink = best_moves(plan, model, limits, cfg, job, mem, allow_servers=allow_servers, frozen=frozen)
         if grow is not None and grow.ratio >= cfg.min_gain_ratio and grow.gain > 0:
             if moves and moves[-1].action.startswith("remove"):
                 break  # never undo a shrink in the same search

@@ -160,21 +160,32 @@ class DLRoverPolicySim(SimPolicy):
 def fit_convergence(k: np.ndarray, loss: np.ndarray, grid: int = 32) -> tuple[float, float, float] | None:
     """Optimus's convergence model l(k) = 1/(b0*k + b1) + b2 (b >= 0) fitted to (k, loss) by least squares:
     for each b2 on a grid below the smallest loss, 1/(l - b2) is linear in k (a least-squares line); the b2 whose
-    curve has the smallest squared loss error wins. None with fewer than 3 points or no decreasing fit."""
+    curve has the smallest squared loss error wins. None with fewer than 3 points or no decreasing fit.
+    (Few numpy calls: Optimus refits every job's curve each round; np.linspace's grid, means as sums / n.)"""
     k, loss = np.asarray(k, float), np.asarray(loss, float)
-    if len(k) < 3 or np.ptp(k) <= 0:
+    n = len(k)
+    if n < 3 or not k.max() - k.min() > 0:
         return None
-    b2s = np.linspace(0.0, float(loss.min()) * 0.995, grid)
-    y = 1.0 / (loss[None, :] - b2s[:, None])                    # grid x points
-    km, ym = k.mean(), y.mean(axis=1)
-    b0 = ((k - km)[None, :] * (y - ym[:, None])).sum(axis=1) / ((k - km) ** 2).sum()
-    b0 = np.maximum(b0, 0.0)
+    top = float(loss.min()) * 0.995
+    if grid >= 2:  # np.linspace(0, top, grid): arange * step, the last point exactly `top`
+        b2s = _ARANGE[:grid] * (top / (grid - 1)) if grid <= len(_ARANGE) else np.arange(grid) * (top / (grid - 1))
+        b2s[-1] = top
+    else:
+        b2s = np.linspace(0.0, top, grid)
+    col = b2s[:, None]
+    y = 1.0 / (loss - col)                    # grid x points
+    km, ym = k.sum() / n, y.sum(axis=1) / n
+    dk = k - km
+    b0 = np.maximum((dk * (y - ym[:, None])).sum(axis=1) / (dk * dk).sum(), 0.0)
     b1 = np.maximum(ym - b0 * km, 1e-9)
-    err = ((1.0 / (b0[:, None] * k[None, :] + b1[:, None]) + b2s[:, None] - loss[None, :]) ** 2).sum(axis=1)
-    i = int(np.argmin(err))
+    r = 1.0 / (b0[:, None] * k + b1[:, None]) + col - loss
+    i = int(np.argmin((r * r).sum(axis=1)))
     if b0[i] <= 0:
         return None
     return float(b0[i]), float(b1[i]), float(b2s[i])
+
+
+_ARANGE = np.arange(64, dtype=float)
 
 
 def steps_to_target(fit: tuple[float, float, float], target: float) -> float:

@@ -9,6 +9,7 @@ reason, when the points cannot determine a model, and scores a fit by leave-one-
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -262,6 +263,12 @@ def embedding_shard_bytes(table_bytes: Sequence[float], workers: int) -> float:
     (what table-wise sharding planners approximate)."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    return _shard_bytes(tuple(table_bytes), int(workers))
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_bytes(table_bytes: tuple[float, ...], workers: int) -> float:
+    # cached: the search sizes every candidate plan's pods by it (O(tables x workers) each)
     load = [0.0] * workers
     for b in sorted(table_bytes, reverse=True):
         i = min(range(workers), key=load.__getitem__)
@@ -275,23 +282,39 @@ class MemoryTrend:
     def __init__(self, window: int = 20) -> None:
         self.window = window
         self.points: list[tuple[float, float]] = []
+        self._xs: list[float] = []  # the points' steps and RSS as two lists, kept in step by `add`
+        self._rs: list[float] = []
+        self._for: list[tuple[float, float]] | None = self.points
 
     def add(self, step: float, rss_bytes: float) -> None:
+        in_step = self._for is self.points and len(self._xs) == len(self.points)
         self.points.append((float(step), float(rss_bytes)))
+        if in_step:
+            self._xs.append(float(step))
+            self._rs.append(float(rss_bytes))
         if len(self.points) > self.window:
             self.points = self.points[-self.window:]
+            if in_step:
+                self._xs, self._rs = self._xs[-self.window:], self._rs[-self.window:]
+        if in_step:
+            self._for = self.points
 
     def slope(self) -> float:
         """Least-squares bytes per step over the window (closed form: this runs on every profiler report)."""
         n = len(self.points)
         if n < 3:
             return 0.0
-        ms = sum(p[0] for p in self.points) / n
-        mr = sum(p[1] for p in self.points) / n
-        den = sum((p[0] - ms) ** 2 for p in self.points)
+        # (lists, not generators, into sum: the same additions in the same order, at half the interpreter work)
+        if self._for is not self.points or len(self._xs) != n:  # `points` was changed from outside
+            self._xs, self._rs, self._for = [p[0] for p in self.points], [p[1] for p in self.points], self.points
+        xs, rs = self._xs, self._rs
+        ms = sum(xs) / n
+        mr = sum(rs) / n
+        dx = [x - ms for x in xs]
+        den = sum([d * d for d in dx])
         if den == 0:
             return 0.0
-        return sum((p[0] - ms) * (p[1] - mr) for p in self.points) / den
+        return sum([d * (r - mr) for d, r in zip(dx, rs, strict=True)]) / den
 
     def predicted_at(self, step: float) -> float:
         if not self.points:

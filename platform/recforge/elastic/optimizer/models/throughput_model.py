@@ -80,9 +80,13 @@ class Sample:
 
 def _cols(allocs: Sequence[Allocation]) -> dict[str, np.ndarray]:
     # one array built from tuples, then columns: stage 2 calls this on every report of every job
-    m = np.array([(a.workers, a.cpu_per_worker, a.batch_size, max(a.servers, 0),
-                   a.cpu_per_server if a.servers else 1.0, a.host_cores if a.host_cores else np.inf)
-                  for a in allocs], dtype=float).reshape(-1, 6).T
+    return _cols_of_rows([(a.workers, a.cpu_per_worker, a.batch_size, max(a.servers, 0),
+                           a.cpu_per_server if a.servers else 1.0, a.host_cores if a.host_cores else np.inf)
+                          for a in allocs])
+
+
+def _cols_of_rows(rows: Sequence[tuple]) -> dict[str, np.ndarray]:
+    m = np.array(rows, dtype=float).reshape(-1, 6).T
     return {"w": m[0], "c": m[1], "b": m[2], "p": m[3], "cp": m[4], "host": m[5]}
 
 
@@ -120,6 +124,36 @@ PS_TERMS = ("const", "b_per_cpu", "ps_load", "ps_fanin", "ps_count", "w")
 # Candidates for our all-reduce/all-to-all TorchRec trainer on one shared host.
 LOCAL_CANDIDATES = ("const", "b_per_cpu", "b", "b_per_cpu_oversub", "b_oversub", "b_threads", "bw_threads", "w", "bw",
                     "log_w")
+
+
+def _row_oversub(w: float, c: float, host: float) -> float:
+    return max(1.0, w * c / host)
+
+
+# The same terms on one allocation's scalars (w, c, b, p, cp, host), for the per-row path of `predict`: the same
+# arithmetic in the same order as the array forms above (log2 may differ from numpy's in the last bit).
+ROW_TERMS: dict[str, Callable[[float, float, float, float, float, float], float]] = {
+    "const": lambda w, c, b, p, cp, h: 1.0,
+    "b_per_cpu": lambda w, c, b, p, cp, h: b / c,
+    "b": lambda w, c, b, p, cp, h: b,
+    "b_per_cpu_oversub": lambda w, c, b, p, cp, h: b / c * _row_oversub(w, c, h),
+    "b_oversub": lambda w, c, b, p, cp, h: b * _row_oversub(w, c, h),
+    "b_threads": lambda w, c, b, p, cp, h: b * (c - 1),
+    "bw_threads": lambda w, c, b, p, cp, h: b * w * (c - 1),
+    "w": lambda w, c, b, p, cp, h: w,
+    "bw": lambda w, c, b, p, cp, h: b * w,
+    "log_w": lambda w, c, b, p, cp, h: math.log2(w),
+    "ps_load": lambda w, c, b, p, cp, h: w / p * b / cp if p > 0 else 0.0,
+    "ps_fanin": lambda w, c, b, p, cp, h: w / p if p > 0 else 0.0,
+    "ps_count": lambda w, c, b, p, cp, h: p,
+}
+ROW_PATH_MAX = 32  # up to this many allocations `predict` evaluates row by row (numpy's per-call overhead dominates)
+
+
+def row_values(a: Allocation) -> tuple[float, float, float, float, float, float]:
+    """(w, c, b, p, cp, host) of one allocation, as `_cols` reads them."""
+    return (float(a.workers), float(a.cpu_per_worker), float(a.batch_size), float(max(a.servers, 0)),
+            float(a.cpu_per_server) if a.servers else 1.0, float(a.host_cores) if a.host_cores else math.inf)
 
 
 def design_matrix(allocs: Sequence[Allocation], terms: Sequence[str]) -> np.ndarray:
@@ -182,13 +216,33 @@ class ThroughputModel:
     def predict(self, allocs: Sequence[Allocation]) -> np.ndarray: ...
 
     def predict(self, allocs: Sequence[Allocation] | Allocation) -> np.ndarray | float:
-        """samples/s for each allocation (a float for a single one)."""
-        single = isinstance(allocs, Allocation)
-        lst = [allocs] if isinstance(allocs, Allocation) else list(allocs)
+        """samples/s for each allocation (a float for a single one). Up to `ROW_PATH_MAX` allocations are evaluated
+        row by row in Python (`predict_rows`), more as one matrix product: the two agree to rounding (rtol 1e-12
+        in tests/unit/test_throughput_predict_paths.py), not bit for bit."""
+        if isinstance(allocs, Allocation):
+            return self.predict_rows([row_values(allocs)])[0]
+        lst = list(allocs)
+        if len(lst) <= ROW_PATH_MAX:
+            return np.array(self.predict_rows([row_values(a) for a in lst]), dtype=float)
+        return self.predict_matrix(lst)
+
+    def predict_rows(self, rows: Sequence[tuple[float, float, float, float, float, float]]) -> list[float]:
+        """samples/s for (w, c, b, p, cp, host) rows (`row_values`), one Python sum per row."""
+        fs = [(ROW_TERMS[t], k) for t, k in zip(self.terms, self.coef, strict=True)]
+        out = []
+        for r in rows:
+            t = 0.0
+            for f, k in fs:
+                t += k * f(*r)
+            out.append(r[0] * r[2] / max(t, 1e-12))
+        return out
+
+    def predict_matrix(self, allocs: Sequence[Allocation]) -> np.ndarray:
+        """samples/s for each allocation as one design-matrix product (the reference the row path is tested on)."""
+        lst = list(allocs)
         v = _cols(lst)  # (one pass over the allocations: the same values step_time and the columns below read)
         t = np.maximum(_design(v, self.terms, len(lst)) @ np.asarray(self.coef), 1e-12)
-        out = v["w"] * v["b"] / t
-        return float(out[0]) if single else out
+        return v["w"] * v["b"] / t
 
     def to_dict(self) -> dict:
         return {"terms": list(self.terms), "coef": list(self.coef), "fit_mape": self.fit_mape,
@@ -214,7 +268,8 @@ def _check(samples: Sequence[Sample]) -> None:
 
 
 def fit(samples: Sequence[Sample], terms: Sequence[str], *, prior: ThroughputModel | None = None,
-        prior_strength: float = 0.0, irls_iters: int = 5) -> ThroughputModel:
+        prior_strength: float = 0.0, irls_iters: int = 5,
+        rows: Sequence[tuple[float, float, float, float, float, float]] | None = None) -> ThroughputModel:
     """NNLS fit of the step-time model.
 
     Each row is divided by its measured step time t, so the residual is the relative step-time error
@@ -223,7 +278,8 @@ def fit(samples: Sequence[Sample], terms: Sequence[str], *, prior: ThroughputMod
     relative throughput error that MAPE reports; every round is a scipy.optimize.nnls solve.
     With `prior` and `prior_strength` > 0 each coefficient is also pulled towards the prior's (rows
     `strength * (c_k - prior_k) / scale_k`), so a handful of points refines a warm-start model instead
-    of replacing it. Raises ModelFitError with fewer points than terms when there is no prior.
+    of replacing it. Raises ModelFitError with fewer points than terms when there is no prior. `rows`: the
+    samples' `row_values` when the caller keeps them (the columns are built once per fit, from them if given).
     """
     samples = list(samples)
     terms = tuple(terms)
@@ -232,32 +288,48 @@ def fit(samples: Sequence[Sample], terms: Sequence[str], *, prior: ThroughputMod
     _check(samples)
     if len(samples) < len(terms) and (prior is None or prior_strength <= 0):
         raise ModelFitError(f"fit: {len(samples)} points cannot determine {len(terms)} coefficients {list(terms)}")
+    unknown = [k for k in terms if k not in TERMS]
+    if unknown:
+        raise ModelFitError(f"unknown model terms {unknown}; known: {sorted(TERMS)}")
     allocs = [s.allocation for s in samples]
-    t = step_time(allocs, [s.samples_per_s for s in samples]) if samples else np.zeros(0)
+    if rows is not None and len(rows) != len(samples):
+        raise ValueError(f"fit: {len(rows)} rows for {len(samples)} samples")
+    # the columns once: the design matrix, the step times, the prior's scales and the fit's MAPE all read them
+    v = (_cols_of_rows(rows) if rows is not None else _cols(allocs)) if samples else None
+    thr = np.array([s.samples_per_s for s in samples], float)
+    t = v["w"] * v["b"] / thr if v is not None else np.zeros(0)  # (step_time's arithmetic)
     base_w = np.array([s.weight for s in samples], float) if samples else np.zeros(0)
-    X0 = design_matrix(allocs, terms) / t[:, None] if samples else np.zeros((0, len(terms)))
+    D = _design(v, terms, len(samples)) if v is not None else np.zeros((0, len(terms)))
+    X0 = D / t[:, None]
     P, q = np.zeros((0, len(terms))), np.zeros(0)
     if prior is not None and prior_strength > 0:
         pc = dict(zip(prior.terms, prior.coef, strict=True))
         pvec = np.array([pc.get(k, 0.0) for k in terms])
         ref = allocs or [Allocation(1, 1.0, 512)]
-        cols = np.abs(design_matrix(ref, terms)).mean(axis=0)
+        cols = np.abs(D if samples else design_matrix(ref, terms)).mean(axis=0)
         tref = float(np.mean(t)) if len(t) else float(ThroughputModel(terms, tuple(pvec)).step_time(ref).mean())
         # a coefficient's scale: its prior value, or what would make its term 10% of a step
         scale = np.where(pvec > 0, pvec, 0.1 * tref / np.maximum(cols, 1e-12))
         P, q = prior_strength * np.diag(1.0 / scale), prior_strength * pvec / scale
-    extra = np.ones(len(t))
+    n = len(t)
+    extra = np.ones(n)
+    A = np.empty((n + len(P), len(terms)))  # [X0 * w; P] and [w; q], filled in place each round
+    A[n:] = P
+    rhs = np.empty(n + len(q))
+    rhs[n:] = q
+    what = f"fit of {list(terms)}"
     for it in range(max(irls_iters, 0) + 1):
         w = np.sqrt(base_w * extra)
-        coef = solve_nnls(np.vstack([X0 * w[:, None], P]), np.concatenate([w, q]), f"fit of {list(terms)}",
-                          maxiter=50 * max(len(terms), 1))
-        if it == irls_iters or not len(t):
+        np.multiply(X0, w[:, None], out=A[:n])
+        rhs[:n] = w
+        coef = solve_nnls(A, rhs, what, maxiter=50 * max(len(terms), 1))
+        if it == irls_iters or not n:
             break
         pred = np.maximum(X0 @ coef, 1e-12)  # predicted step time / measured step time
-        extra = np.clip(1.0 / pred, 0.1, 10.0) ** 2
+        extra = np.minimum(np.maximum(1.0 / pred, 0.1), 10.0) ** 2  # (np.clip's values)
     model = ThroughputModel(terms, tuple(coef), n_points=len(samples))
-    if samples:
-        model.fit_mape = mape(model.predict(allocs), [s.samples_per_s for s in samples])
+    if v is not None:  # (predict_matrix's arithmetic on the columns above)
+        model.fit_mape = mape(v["w"] * v["b"] / np.maximum(D @ np.asarray(model.coef), 1e-12), thr)
     return model
 
 
@@ -337,6 +409,9 @@ class OnlineThroughputModel:
         self._configs: dict[tuple, int] = {}  # configuration -> samples of it, kept in step by `add`
         self._counted: list[Sample] | None = None  # the list (and its length) `_configs` counts
         self._counted_n = 0
+        self._rows: list[tuple] = []  # each sample's `row_values`, kept with `samples` (rebuilt if changed outside)
+        self._pp: list[float | None] = []  # the prior's prediction of each sample (None: not yet), kept with `samples`
+        self._pp_for: list[Sample] | None = None
         self.model: ThroughputModel | None = prior
         self.status = "prior" if prior is not None else "no model"
         self._since = 0
@@ -356,13 +431,20 @@ class OnlineThroughputModel:
         if not (sample.samples_per_s > 0 and math.isfinite(sample.samples_per_s)):
             return False  # a stalled interval (restart, pending) says nothing about throughput
         in_step = self._counted is self.samples and self._counted_n == len(self.samples)
+        pp_in_step = self._pp_for is self.samples and len(self._pp) == len(self.samples)
         self.samples.append(sample)
+        if pp_in_step:
+            self._pp.append(None)
+            self._rows.append(row_values(sample.allocation))
         if in_step:
             k = _config_key(sample.allocation)
             self._configs[k] = self._configs.get(k, 0) + 1
         if len(self.samples) > self.max_samples:
             dropped = self.samples[:-self.max_samples]
             self.samples = self.samples[-self.max_samples:]
+            if pp_in_step:
+                self._pp = self._pp[-self.max_samples:]
+                self._rows = self._rows[-self.max_samples:]
             for d in dropped if in_step else ():
                 k = _config_key(d.allocation)
                 self._configs[k] -= 1
@@ -370,11 +452,32 @@ class OnlineThroughputModel:
                     del self._configs[k]
         if in_step:
             self._counted, self._counted_n = self.samples, len(self.samples)
+        if pp_in_step:
+            self._pp_for = self.samples
         self._since += 1
         if refit and self._since >= self.refit_every:
             self._since = 0
             return self.refit()
         return False
+
+    def _prior_predictions(self) -> list[float]:
+        """The prior's samples/s at each sample's allocation: computed once per sample (the prior does not change),
+        all again when `samples` was changed from outside."""
+        assert self.prior is not None
+        rows = self._sample_rows()
+        todo = [i for i, p in enumerate(self._pp) if p is None]
+        if todo:
+            for i, p in zip(todo, self.prior.predict_rows([rows[i] for i in todo]), strict=True):
+                self._pp[i] = p
+        return self._pp  # type: ignore[return-value]  # (no None left)
+
+    def _sample_rows(self) -> list[tuple]:
+        """Each sample's `row_values`, rebuilt (and the prior's predictions forgotten) when `samples` was changed
+        from outside since `add` last kept them in step."""
+        if self._pp_for is not self.samples or len(self._pp) != len(self.samples):
+            self._pp, self._pp_for = [None] * len(self.samples), self.samples
+            self._rows = [row_values(s.allocation) for s in self.samples]
+        return self._rows
 
     def refit(self) -> bool:
         self._since = 0
@@ -385,7 +488,7 @@ class OnlineThroughputModel:
                 return False
             # calibrate the prior's level to what we see, keep its shape
             obs = np.array([s.samples_per_s for s in self.samples])
-            pred = self.prior.predict([s.allocation for s in self.samples])
+            pred = np.array(self._prior_predictions())  # (the prior's prediction of each sample, cached)
             k = _median(pred / obs)
             self.model = ThroughputModel(self.prior.terms, tuple(c * k for c in self.prior.coef),
                                          fit_mape=mape(pred / k, obs), n_points=len(obs),
@@ -393,7 +496,8 @@ class OnlineThroughputModel:
             self.status = f"prior scaled by {1 / k:.3f} ({self.distinct_configs} configuration(s) seen)"
             return True
         self.model = fit(self.samples, self.terms, prior=self.prior,
-                         prior_strength=self.prior_strength if self.prior is not None else 0.0)
+                         prior_strength=self.prior_strength if self.prior is not None else 0.0,
+                         rows=self._sample_rows())
         self.status = f"fitted on {len(self.samples)} samples / {self.distinct_configs} configurations"
         return True
 
