@@ -7,7 +7,37 @@ from __future__ import annotations
 import os
 import secrets
 import shlex
+import sqlite3
 from pathlib import Path
+from typing import Any
+
+
+class ImmediateSQLiteConnection(sqlite3.Connection):
+    """sqlite3 connection for Airflow's metadata DB whose write transactions take the write lock when they begin.
+
+    A deferred transaction that read first and then writes while another process holds the write lock gets
+    "database is locked" at once (SQLite skips the busy wait to avoid a deadlock): Airflow's `backfill create` does
+    that (SAVEPOINT, SELECT, INSERT) while the scheduler writes. With `isolation_level="IMMEDIATE"` the driver's
+    implicit BEGIN before DML is BEGIN IMMEDIATE, and a SAVEPOINT outside a transaction is preceded by one, so the
+    lock is taken up front and waits out the busy timeout instead."""
+
+    def cursor(self, factory: Any = None) -> sqlite3.Cursor:  # type: ignore[override]
+        return super().cursor(factory or _ImmediateCursor)
+
+
+class _ImmediateCursor(sqlite3.Cursor):
+    def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:  # type: ignore[override]
+        if not self.connection.in_transaction and sql.lstrip()[:9].upper() == "SAVEPOINT":
+            super().execute("BEGIN IMMEDIATE")
+        return super().execute(sql, parameters)
+
+
+# Airflow imports these by path ([database] sql_alchemy_connect_args / _async; set only for a sqlite:// conn): wait
+# up to 60 s for another process's write lock (sqlite3's default is 5 s; the scheduler, API server, DAG processor,
+# triggerer and CLI share one file), immediate write transactions (above).
+AIRFLOW_SQLITE_CONNECT_ARGS: dict[str, Any] = {
+    "timeout": 60.0, "isolation_level": "IMMEDIATE", "factory": ImmediateSQLiteConnection}
+AIRFLOW_SQLITE_CONNECT_ARGS_ASYNC: dict[str, Any] = dict(AIRFLOW_SQLITE_CONNECT_ARGS)
 
 
 def repo_root() -> Path:
@@ -61,14 +91,27 @@ def embedded_env(home: Path | None = None) -> dict[str, str]:
     }
 
 
+def sqlite_connect_args_env() -> dict[str, str]:
+    """Airflow's connect-args settings for a SQLite metadata DB: the busy timeout above for sync and async engines."""
+    return {
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "recforge.settings.AIRFLOW_SQLITE_CONNECT_ARGS",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC": "recforge.settings.AIRFLOW_SQLITE_CONNECT_ARGS_ASYNC",
+    }
+
+
 def apply_embedded_env(home: Path | None = None) -> dict[str, str]:
-    """Fill in whatever the caller's environment does not already set (set but empty counts as set)."""
+    """Fill in whatever the caller's environment does not already set (set but empty counts as set); a SQLite
+    metadata DB also gets the busy timeout (another database's driver would refuse sqlite3's `timeout`)."""
     env = embedded_env(home)
     for key, value in env.items():
         os.environ.setdefault(key, value)
+    if os.environ["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("sqlite"):
+        for key, value in sqlite_connect_args_env().items():
+            os.environ.setdefault(key, value)
+            env[key] = value
     return {k: os.environ[k] for k in env}
 
 
 if __name__ == "__main__":
-    for k, v in embedded_env().items():
+    for k, v in {**embedded_env(), **sqlite_connect_args_env()}.items():
         print(f"export {k}={shlex.quote(v)}")
