@@ -149,6 +149,40 @@ ROW_TERMS: dict[str, Callable[[float, float, float, float, float, float], float]
 }
 ROW_PATH_MAX = 32  # up to this many allocations `predict` evaluates row by row (numpy's per-call overhead dominates)
 
+# ROW_TERMS's formulas as source, for `_row_evaluator`: the same operations in the same order (bit for bit, tested)
+_ROW_SRC = {
+    "const": "1.0",
+    "b_per_cpu": "(b / c)",
+    "b": "b",
+    "b_per_cpu_oversub": "(b / c * max(1.0, w * c / h))",
+    "b_oversub": "(b * max(1.0, w * c / h))",
+    "b_threads": "(b * (c - 1))",
+    "bw_threads": "(b * w * (c - 1))",
+    "w": "w",
+    "bw": "(b * w)",
+    "log_w": "log2(w)",
+    "ps_load": "(w / p * b / cp if p > 0 else 0.0)",
+    "ps_fanin": "(w / p if p > 0 else 0.0)",
+    "ps_count": "p",
+}
+_ROW_EVALUATORS: dict[tuple[str, ...], Callable] = {}
+
+
+def _row_evaluator(terms: tuple[str, ...]) -> Callable:
+    """f(rows, coef) -> samples/s per row for this term set, compiled once per term set: `predict_rows`'s
+    arithmetic (t = 0.0; t += k_i * term_i in term order) without a Python call per term and row."""
+    f = _ROW_EVALUATORS.get(terms)
+    if f is None:
+        ks = ", ".join(f"k{i}" for i in range(len(terms)))
+        body = "".join(f"        t += k{i} * {_ROW_SRC[t]}\n" for i, t in enumerate(terms))
+        src = (f"def _eval(rows, coef):\n    {ks}{',' if len(terms) == 1 else ''} = coef\n    out = []\n"
+               f"    for w, c, b, p, cp, h in rows:\n        t = 0.0\n{body}"
+               f"        out.append(w * b / max(t, 1e-12))\n    return out\n")
+        ns: dict = {"log2": math.log2, "max": max}
+        exec(compile(src, f"<row evaluator {terms}>", "exec"), ns)  # noqa: S102  # source built from _ROW_SRC only
+        f = _ROW_EVALUATORS[terms] = ns["_eval"]
+    return f
+
 
 def row_values(a: Allocation) -> tuple[float, float, float, float, float, float]:
     """(w, c, b, p, cp, host) of one allocation, as `_cols` reads them."""
@@ -227,7 +261,14 @@ class ThroughputModel:
         return self.predict_matrix(lst)
 
     def predict_rows(self, rows: Sequence[tuple[float, float, float, float, float, float]]) -> list[float]:
-        """samples/s for (w, c, b, p, cp, host) rows (`row_values`), one Python sum per row."""
+        """samples/s for (w, c, b, p, cp, host) rows (`row_values`), one Python sum per row (compiled per term set:
+        `_row_evaluator`; `predict_rows_reference` is the same sum through ROW_TERMS)."""
+        if not self.terms:
+            return self.predict_rows_reference(rows)
+        return _row_evaluator(self.terms)(rows, self.coef)
+
+    def predict_rows_reference(self, rows: Sequence[tuple[float, float, float, float, float, float]]) -> list[float]:
+        """`predict_rows` through the ROW_TERMS functions, one call per term and row (the fast path's reference)."""
         fs = [(ROW_TERMS[t], k) for t, k in zip(self.terms, self.coef, strict=True)]
         out = []
         for r in rows:
@@ -333,6 +374,12 @@ def fit(samples: Sequence[Sample], terms: Sequence[str], *, prior: ThroughputMod
     return model
 
 
+def _mape_arrays(p: np.ndarray, a: np.ndarray) -> float:
+    """`mape` of two float64 arrays of the same length: np.mean's sum (np.add.reduce) / n, without its overhead."""
+    n = len(a)
+    return float(np.add.reduce(np.abs(p - a) / np.abs(a)) / n) if n else float("nan")
+
+
 def _median(x: np.ndarray) -> float:
     """float(np.median(x)) of a 1-D array: the middle value, or the two middle values' sum / 2 (as np.median's mean
     of them), by a sort in python; np.median's own path (NaN) otherwise. Its overhead dominated a refit."""
@@ -410,6 +457,7 @@ class OnlineThroughputModel:
         self._counted: list[Sample] | None = None  # the list (and its length) `_configs` counts
         self._counted_n = 0
         self._rows: list[tuple] = []  # each sample's `row_values`, kept with `samples` (rebuilt if changed outside)
+        self._thr: list[float] = []  # each sample's samples_per_s, kept with `_rows`
         self._pp: list[float | None] = []  # the prior's prediction of each sample (None: not yet), kept with `samples`
         self._pp_for: list[Sample] | None = None
         self.model: ThroughputModel | None = prior
@@ -436,6 +484,7 @@ class OnlineThroughputModel:
         if pp_in_step:
             self._pp.append(None)
             self._rows.append(row_values(sample.allocation))
+            self._thr.append(sample.samples_per_s)
         if in_step:
             k = _config_key(sample.allocation)
             self._configs[k] = self._configs.get(k, 0) + 1
@@ -445,6 +494,7 @@ class OnlineThroughputModel:
             if pp_in_step:
                 self._pp = self._pp[-self.max_samples:]
                 self._rows = self._rows[-self.max_samples:]
+                self._thr = self._thr[-self.max_samples:]
             for d in dropped if in_step else ():
                 k = _config_key(d.allocation)
                 self._configs[k] -= 1
@@ -465,11 +515,13 @@ class OnlineThroughputModel:
         all again when `samples` was changed from outside."""
         assert self.prior is not None
         rows = self._sample_rows()
-        todo = [i for i, p in enumerate(self._pp) if p is None]
-        if todo:
-            for i, p in zip(todo, self.prior.predict_rows([rows[i] for i in todo]), strict=True):
-                self._pp[i] = p
-        return self._pp  # type: ignore[return-value]  # (no None left)
+        pp = self._pp
+        i = len(pp)  # the ones not yet predicted are a suffix: `add` appends None, truncation cuts the front
+        while i and pp[i - 1] is None:
+            i -= 1
+        if i < len(pp):
+            pp[i:] = self.prior.predict_rows(rows[i:])
+        return pp  # type: ignore[return-value]  # (no None left)
 
     def _sample_rows(self) -> list[tuple]:
         """Each sample's `row_values`, rebuilt (and the prior's predictions forgotten) when `samples` was changed
@@ -477,6 +529,7 @@ class OnlineThroughputModel:
         if self._pp_for is not self.samples or len(self._pp) != len(self.samples):
             self._pp, self._pp_for = [None] * len(self.samples), self.samples
             self._rows = [row_values(s.allocation) for s in self.samples]
+            self._thr = [s.samples_per_s for s in self.samples]
         return self._rows
 
     def refit(self) -> bool:
@@ -487,11 +540,11 @@ class OnlineThroughputModel:
                                "and no prior: no model")
                 return False
             # calibrate the prior's level to what we see, keep its shape
-            obs = np.array([s.samples_per_s for s in self.samples])
             pred = np.array(self._prior_predictions())  # (the prior's prediction of each sample, cached)
+            obs = np.array(self._thr)  # (each sample's samples/s, kept with the rows above)
             k = _median(pred / obs)
             self.model = ThroughputModel(self.prior.terms, tuple(c * k for c in self.prior.coef),
-                                         fit_mape=mape(pred / k, obs), n_points=len(obs),
+                                         fit_mape=_mape_arrays(pred / k, obs), n_points=len(obs),
                                          meta={"source": "prior scaled"})
             self.status = f"prior scaled by {1 / k:.3f} ({self.distinct_configs} configuration(s) seen)"
             return True
