@@ -27,7 +27,6 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -241,8 +240,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_rap.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    # the worker's GIL switch interval (recforge.worker.main.apply_switch_interval): the co-run thread runs Python
-    sys.setswitchinterval(TrainConfig().gil_switch_interval_ms / 1000.0)
     with tempfile.TemporaryDirectory(prefix="bench_rap_") as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
         print(f"trainer threads {args.threads}, co-run threads {args.corun_threads}, batch {args.batch}, "

@@ -33,7 +33,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -424,8 +423,6 @@ def main() -> None:
     check_machine(candidates, args.threads, args.corun_threads, max(c.batch for c in candidates) * args.steps)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
-    # the worker's GIL switch interval (recforge.worker.main.apply_switch_interval): the co-run thread runs Python
-    sys.setswitchinterval(TrainConfig().gil_switch_interval_ms / 1000.0)
     load_start = os.getloadavg()
     print(f"trainer threads {args.threads}, co-run threads {args.corun_threads}; {cpu_model()}, "
           f"{os.cpu_count()} cpus, load average {load_start}", flush=True)

@@ -45,7 +45,7 @@ from _results import cpu_model, write_report  # bench/_results.py (bench/ is the
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS_PER_SHARD = 50_000
-SIDES = ("recforge", "reference", "recforge_sync", "recforge_gil5ms")
+SIDES = ("recforge", "reference", "recforge_sync")
 REFERENCE_BYTES_PER_ROW = 1200  # measured order: raw + preprocessed + batched copies, per process holding the rows
 
 
@@ -124,7 +124,7 @@ def reference_rows(root: Path, ds, plan, train_manifest, eval_manifest) -> Path:
 
 
 def run_recforge(root: Path, ds, plan, train_manifest, *, workers: int, threads: int, batch: int, seed: int,
-                 tag: str, prefetch: int | None = None, gil_ms: float | None = None) -> dict[str, Any]:
+                 tag: str, prefetch: int | None = None) -> dict[str, Any]:
     """One real training job over every training row; samples/s from the worker's result, AUC on the held-out day.
     `prefetch`: the spec's train.prefetch_steps (0: the synchronous loop), env RECFORGE_TRAIN_PREFETCH cleared for
     the job; None: TrainConfig's default, which that env var overrides where set. The depth reported is the one the
@@ -143,8 +143,7 @@ def run_recforge(root: Path, ds, plan, train_manifest, *, workers: int, threads:
     job = root / "jobs" / tag
     shutil.rmtree(job, ignore_errors=True)
     model, ck = ModelConfig(), CheckpointConfig()
-    train = TrainConfig(batch_size=batch, **({"prefetch_steps": prefetch} if prefetch is not None else {}),
-                        **({"gil_switch_interval_ms": gil_ms} if gil_ms is not None else {}))
+    train = TrainConfig(batch_size=batch, **({"prefetch_steps": prefetch} if prefetch is not None else {}))
     phases_dir = job / "phases"
     spec = WorkerSpec(
         manifest_dir=root / "train", plan_path=root / "plan.json", preprocess_executor="fused", dataset=ds,
@@ -222,8 +221,6 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         out["auc_difference"] = a["heldout_auc"] - b["heldout_auc"]
     if "recforge" in sides and "recforge_sync" in sides:
         out["ratio_prefetch_vs_sync"] = sides["recforge"]["samples_per_s"] / sides["recforge_sync"]["samples_per_s"]
-    if "recforge" in sides and "recforge_gil5ms" in sides:
-        out["ratio_vs_gil5ms"] = sides["recforge"]["samples_per_s"] / sides["recforge_gil5ms"]["samples_per_s"]
     return out
 
 
@@ -240,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sides", default="recforge,reference",
                     help="comma list of recforge, reference, recforge_sync (recforge's loop without prefetching: "
-                         "train.prefetch_steps=0, the before/after comparison), recforge_gil5ms (CPython's default "
-                         "5 ms GIL switch interval instead of train.gil_switch_interval_ms)")
+                         "train.prefetch_steps=0, the before/after comparison)")
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_train_peer.json")
     args = ap.parse_args(argv)
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
@@ -283,15 +279,13 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.rounds):
                 rnd: dict[str, Any] = {"round": i, "loadavg_before": os.getloadavg()}
                 for side in sides:
-                    if side.startswith("recforge"):
+                    if side in ("recforge", "recforge_sync"):
                         rnd[side] = run_recforge(root, ds, plan, train_m, workers=args.workers, threads=args.threads,
                                                  batch=args.batch, seed=args.seed, tag=f"{side}{i}",
-                                                 prefetch=0 if side == "recforge_sync" else None,
-                                                 gil_ms=5.0 if side == "recforge_gil5ms" else None)
+                                                 prefetch=0 if side == "recforge_sync" else None)
                     else:
                         assert data_path is not None
-                        # its plan, if it ran first
-                        ours = rnd.get("recforge") or rnd.get("recforge_sync") or rnd.get("recforge_gil5ms")
+                        ours = rnd.get("recforge") or rnd.get("recforge_sync")  # its plan, if it ran first
                         pinned = ({t: v["sharding_type"] for t, v in ours["sharding_plan"].items()}
                                   if ours else None)
                         rnd[side] = reference.run(data_path, model=ModelConfig(),
@@ -329,8 +323,6 @@ def print_table(report: dict[str, Any]) -> None:
               f"{report['auc_difference']:+.4f}; same sharding plan: {report.get('same_sharding_plan')}")
     if "ratio_prefetch_vs_sync" in report:
         print(f"recforge prefetching / synchronous loop: {report['ratio_prefetch_vs_sync']:.3f}x samples/s")
-    if "ratio_vs_gil5ms" in report:
-        print(f"recforge / recforge with a 5 ms GIL switch interval: {report['ratio_vs_gil5ms']:.3f}x samples/s")
 
 
 if __name__ == "__main__":

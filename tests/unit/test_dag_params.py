@@ -22,7 +22,6 @@ SWITCHES = {
     "preprocess_plan", "resources_policy", "max_restarts", "checkpoint_every_steps", "checkpoint_flash", "warm_start",
     "champion_margin", "champion_min_auc", "champion_min_rows", "job_timeout_s",
     "ready_marker", "holdout", "holdout_fraction", "sensor_timeout_s", "sensor_poke_s", "prefetch_steps",
-    "gil_switch_interval_ms",
 }
 
 
@@ -108,8 +107,6 @@ def test_an_unknown_conf_key_is_named():
     ({"rows_per_day": 99}, "param 'rows_per_day': must be >= 100, got 99"),
     ({"prefetch_steps": -1}, "param 'prefetch_steps': must be >= 0, got -1"),
     ({"prefetch_steps": "off"}, "param 'prefetch_steps': must be an integer, got 'off' (str)"),
-    ({"gil_switch_interval_ms": 0}, "param 'gil_switch_interval_ms': must be > 0.0, got 0"),
-    ({"gil_switch_interval_ms": 500}, "param 'gil_switch_interval_ms': must be <= 100.0, got 500"),
     ({"workers": "two"}, "param 'workers': must be an integer, got 'two' (str)"),
     ({"workers": "2"}, "param 'workers': must be an integer, got '2' (str)"),  # the form's type, not pydantic's lax one
     ({"epochs": True}, "param 'epochs': must be an integer, got True (bool)"),

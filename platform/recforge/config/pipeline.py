@@ -46,10 +46,6 @@ class TrainConfig(StrictModel):
     prefetch_steps: int = Field(
         2, ge=0, description="steps each rank prepares ahead on a thread (lease, read, preprocess); 0 = synchronous "
         "loop; unused with preprocessing corun (RAP's source reads ahead itself)")
-    gil_switch_interval_ms: float = Field(
-        0.5, gt=0, le=100, description="each worker's Python thread switch interval (sys.setswitchinterval): how "
-        "long the training thread may wait for the GIL while the prefetch or RAP co-run thread runs Python; "
-        "CPython's default 5 ms stalls the ranks' collectives (docs/performance.md)")
     log_every: int = Field(20, ge=1)
     sharding: Literal["auto", "table_wise", "column_wise", "data_parallel"] = "auto"
     fused_embeddings: bool = Field(True, description="FBGEMM TBE with the optimizer applied in backward")

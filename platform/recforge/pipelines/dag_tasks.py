@@ -53,7 +53,6 @@ PARAM_FIELDS: dict[str, tuple[str, ...]] = {
     "dense_optimizer": ("train", "dense_optimizer"),
     "dense_lr": ("train", "dense_lr"),
     "prefetch_steps": ("train", "prefetch_steps"),
-    "gil_switch_interval_ms": ("train", "gil_switch_interval_ms"),
     "workers": ("resources", "workers"),
     "threads_per_worker": ("resources", "threads_per_worker"),
     "resources_policy": ("resources", "policy"),

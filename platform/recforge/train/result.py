@@ -96,9 +96,6 @@ class WorkerResult(_Record):
     prefetch_steps: int | None = Field(
         None, ge=0, description="steps each rank prepared ahead on the prefetch thread as run: train.prefetch_steps, "
         "or env RECFORGE_TRAIN_PREFETCH; 0: the synchronous loop (RAP co-run always); None: not recorded")
-    gil_switch_interval_ms: float | None = Field(
-        None, gt=0, description="the ranks' Python thread switch interval as run (sys.getswitchinterval, ms): "
-        "train.gil_switch_interval_ms; None: not recorded")
 
     def save(self, output_dir: str | Path) -> Path:
         """Write `output_dir`/result.json atomically (temp file + rename)."""

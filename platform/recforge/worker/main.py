@@ -46,12 +46,6 @@ def _quiet_logs(rank: int) -> None:
     warnings.filterwarnings("ignore", message=r"fbgemm::dense_embedding_codegen_lookup_function")
 
 
-def apply_switch_interval(spec: WorkerSpec) -> None:
-    """The GIL switch interval of this rank (train.gil_switch_interval_ms): with the prefetch or co-run thread
-    running Python, the training thread waits up to this long for the GIL after each op that released it."""
-    sys.setswitchinterval(spec.train.gil_switch_interval_ms / 1000.0)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -64,7 +58,6 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = WorkerSpec.load(argv[0])
     torch.set_num_threads(spec.threads_per_worker)
-    apply_switch_interval(spec)
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_rank), "nccl"
         torch.cuda.set_device(device)

@@ -309,7 +309,6 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
         executor=ExecutedPreprocessing.model_validate(executed),
         peak_rss_bytes=peak_rss,
         prefetch_steps=depth,
-        gil_switch_interval_ms=sys.getswitchinterval() * 1000.0,
     )
     out = Path(spec.output_dir)
     out.mkdir(parents=True, exist_ok=True)

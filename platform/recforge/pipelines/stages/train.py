@@ -204,8 +204,6 @@ def log_prefetch(store, run_id: str, worker: WorkerResult) -> None:
     logged; the param `train.prefetch_steps` stays what was configured."""
     if worker.prefetch_steps is not None:
         store.set_tags(run_id, {"prefetch_steps": worker.prefetch_steps})
-    if worker.gil_switch_interval_ms is not None:  # likewise what the ranks ran
-        store.set_tags(run_id, {"gil_switch_interval_ms": worker.gil_switch_interval_ms})
 
 
 def load_trained(ctx: RunContext):
