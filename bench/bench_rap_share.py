@@ -77,8 +77,17 @@ MODELS: dict[str, tuple[list[int], list[int], int, int]] = {
     "micro": ([8], [8], 4, 500),
 }
 # the fused executor's form, for inline preprocessing and the co-run alike: "single" = one pass over every feature's
-# chain per row tile (recforge's CPU form), "grouped" = one call per fused group (RAP's horizontal fusion)
-FORMS = ("single", "grouped")
+# chain per row tile (recforge's CPU form), "grouped" = one call per fused group (RAP's horizontal fusion), "torch" =
+# the same groups on the ops' torch fallback (one torch kernel per op: the unfused baseline, FusedExecutor(native=
+# False)), where preprocessing is a larger share of a step
+FORMS = ("single", "grouped", "torch")
+
+
+def executor_options(form: str) -> dict[str, bool]:
+    """FusedExecutor options of an executor form (FORMS)."""
+    if form not in FORMS:
+        raise ValueError(f"unknown executor form {form!r}; choose from {list(FORMS)}")
+    return {"single_pass": form == "single", "native": form != "torch"}
 
 
 @dataclass(frozen=True)
@@ -166,7 +175,7 @@ class Point:
         self.c = c
         self.ds = preset_dataset(c.plan)
         self.plan = load_plan(c.plan, self.ds, MODELS[c.model][3])
-        self.executor = make_executor("fused", self.plan, self.ds, single_pass=c.form == "single")
+        self.executor = make_executor("fused", self.plan, self.ds, **executor_options(c.form))
         self.model_cfg = model_config(c.model)
         torch.manual_seed(seed)
         init = build_dlrm(self.model_cfg, self.plan.tables(), len(self.plan.dense_features()))
@@ -282,12 +291,12 @@ def measure(point: Point, sched, args, root: Path, progress=None, task=None) -> 
         "plan": point.plan, "ds": point.ds, "manifest": manifest, "shard_rows": shard_rows, "batch": c.batch,
         "executor": point.executor, "schedule": sched, "corun_threads": args.corun_threads,
         "corun_executor": make_executor("fused", point.plan, point.ds, compiled=point.executor.compiled,
-                                        single_pass=c.form == "single"),
+                                        **executor_options(c.form)),
         "rows_in_memory": {i: RawBatch.from_arrow(read_rows(manifest, i, 0, n), point.ds)
                            for i, n in enumerate(shard_rows)}}
     early = {**ctx, "schedule": whole_kernel_schedule(point.executor.compiled, "emb_fwd"),
              "corun_executor": make_executor("fused", point.plan, point.ds, compiled=point.executor.compiled,
-                                             single_pass=c.form == "single"), "corun_summaries": []}
+                                             **executor_options(c.form)), "corun_summaries": []}
 
     def epoch(v: str, sharded, losses=None) -> tuple[float, int]:
         return run_epoch("corun", sharded, early, losses) if v == "corun_early" else run_epoch(v, sharded, ctx, losses)

@@ -145,3 +145,18 @@ def test_kernel_costs_are_scaled_up_to_the_whole_batch_never_down():
     assert sum(up(g) for g in compiled.groups) == pytest.approx(3 * total)
     same = batch_scaled(lambda g: per[g.nodes], compiled, total / 2)
     assert [same(g) for g in compiled.groups] == [per[g.nodes] for g in compiled.groups]
+
+
+def test_the_torch_form_runs_the_same_groups_on_torch_ops_with_the_same_values(bench):
+    """The unfused baseline form ("torch": FusedExecutor(native=False)) never calls the C++ kernels, and gives the
+    values of the native forms on the same batch."""
+    assert bench.executor_options("torch") == {"single_pass": False, "native": False}
+    assert bench.executor_options("single") == {"single_pass": True, "native": True}
+    with pytest.raises(ValueError, match="unknown executor form 'unfused'"):
+        bench.executor_options("unfused")
+    raw = random_raw_batch(DS, 256, seed=5)
+    outs = {f: make_executor("fused", PLAN, DS, **bench.executor_options(f))(raw) for f in bench.FORMS}
+    for f in ("grouped", "torch"):
+        assert torch.equal(outs[f][0], outs["single"][0]), f
+        for key in outs["single"][1].keys():
+            assert torch.equal(outs[f][1][key].values(), outs["single"][1][key].values()), (f, key)
