@@ -467,7 +467,7 @@ double limit_loop(const Tensor& x_, const Tensor& y_, Tensor& o_, int64_t kind, 
   const uint64_t ud = (uint64_t)d;
   const double inv = 1.0 / (double)d;
   const ModMagic mm = mod_magic(ud);
-  constexpr int64_t kBlock = 256;  // what the chain kernel hashes per call
+  constexpr int64_t kBlock = 256;  // the most rows the chain kernel hashes per tile (plan 0: 128)
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t rep = 0; rep < reps; ++rep) {
     switch (kind) {
@@ -838,63 +838,80 @@ struct ChainStep {
 };
 
 struct ChainFeature {
-  const int64_t* raw;  // the source column's first value in the row-major raw matrix (int64 columns)
-  const double* raw_f64;  // ... or in a float64 dense matrix (float columns); exactly one of the two is set
-  const bool* valid;
-  int64_t raw_stride;  // values per raw row
+  int64_t src;         // its raw matrix: 0 dense, 1 sparse
+  int64_t tile_col;    // its column's index among the columns the tile buffers hold for that matrix
+  bool f64;            // the source matrix holds float64 (float dense columns), else int64
   bool to_dense;       // output: a column of the dense matrix, else a key of the ids
   int64_t slot;
   int64_t first_step, end_step;
 };
 
-// Runs one feature's steps over rows [r0, r0 + n) (n <= kChainRows) in L1 buffers and writes its output.
-constexpr int64_t kChainRows = 256;
+constexpr int64_t kChainRows = 256;  // the most rows per tile (the L1 step buffers' size)
 
-void run_chain(const ChainFeature& cf, const ChainStep* steps, int64_t r0, int64_t n, const float* borders,
-               const int64_t* table, float* dense, int64_t num_dense, int64_t* ids, int64_t B) {
-  alignas(64) int64_t raw[kChainRows], id[2][kChainRows];
-  alignas(64) double raw_f64[kChainRows];
-  alignas(64) float fl[2][kChainRows];
-  alignas(64) bool valid[kChainRows];
-  alignas(64) int32_t idx[kChainRows];
-  const bool f64 = cf.raw_f64 != nullptr;
-  const int64_t st_ = cf.raw_stride;
-  int fi = 0, ii = 0;  // the current float / id buffer
-  bool is_float = false;
-  int64_t first = cf.first_step;
-  // A chain that starts with fill_null (every plan's does) gathers its column and fills in one pass: the same
-  // select_value per row as fill_run, without the copy of the raw values and flags into L1 first.
-  int64_t code0 = first < cf.end_step ? steps[first].code : -1;
-  for (int64_t k = first + 1; k < cf.end_step; ++k)  // a later fill re-reads the raw values: gather them first
-    if (steps[k].code == FILL_FLOAT || steps[k].code == FILL_ID) code0 = -1;
-  if (code0 == FILL_FLOAT && f64) {
-    const float fill = (float)steps[first].f0;
-    const double* __restrict x = cf.raw_f64 + r0 * st_;
-    const bool* __restrict v = cf.valid + r0 * st_;
-    for (int64_t r = 0; r < n; ++r) fl[0][r] = select_value(v[r * st_], x[r * st_], fill);
-    is_float = true, ++first;
-  } else if (code0 == FILL_FLOAT) {
-    const float fill = (float)steps[first].f0;
-    const int64_t* __restrict x = cf.raw + r0 * st_;
-    const bool* __restrict v = cf.valid + r0 * st_;
-    for (int64_t r = 0; r < n; ++r) fl[0][r] = select_value(v[r * st_], x[r * st_], fill);
-    is_float = true, ++first;
-  } else if (code0 == FILL_ID && !f64) {
-    const int64_t fill = (int64_t)steps[first].f0;
-    const int64_t* __restrict x = cf.raw + r0 * st_;
-    const bool* __restrict v = cf.valid + r0 * st_;
-    for (int64_t r = 0; r < n; ++r) id[0][r] = select_value(v[r * st_], x[r * st_], fill);
-    ++first;
+// Copies bytes to dst with non-temporal (streaming) stores where dst is 16-byte aligned: the outputs are written
+// once and not read again here, so they bypass the caches (no read for ownership, no eviction of the raw tiles).
+// The caller runs _mm_sfence() before its writes are read (stream_fence).
+inline void stream_copy(void* dst_, const void* src_, int64_t bytes) {
+  char* dst = (char*)dst_;
+  const char* src = (const char*)src_;
+#if defined(__x86_64__)
+  const int64_t head = std::min<int64_t>(bytes, (16 - ((uintptr_t)dst & 15)) & 15);
+  std::memcpy(dst, src, head);
+  dst += head, src += head, bytes -= head;
+  for (; bytes >= 16; bytes -= 16, dst += 16, src += 16)
+    _mm_stream_si128((__m128i*)dst, _mm_loadu_si128((const __m128i*)src));
+#endif
+  std::memcpy(dst, src, bytes);
+}
+
+inline void stream_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
+
+// Rows [0, n) of a row-major matrix (row stride C values) to a column-major tile: t[j * T + r] = x[r * C + cols[j]]
+// for the m columns the plan reads (all of them in order when cols is null). The raw rows are read once, in order
+// (what the hardware prefetchers follow), and every feature then reads its column's run contiguously from L1.
+template <int64_t T, typename V>
+void transpose_tile(const V* __restrict x, const int64_t C, const int64_t* __restrict cols, const int64_t m,
+                    const int64_t n, V* __restrict t) {
+  if (cols == nullptr) {
+    for (int64_t r = 0; r < n; ++r) {
+      const V* __restrict row = x + r * C;
+      for (int64_t j = 0; j < m; ++j) t[j * T + r] = row[j];
+    }
   } else {
     for (int64_t r = 0; r < n; ++r) {
-      if (f64)
-        raw_f64[r] = cf.raw_f64[(r0 + r) * st_];
-      else
-        raw[r] = cf.raw[(r0 + r) * st_];
-      valid[r] = cf.valid[(r0 + r) * st_];
+      const V* __restrict row = x + r * C;
+      for (int64_t j = 0; j < m; ++j) t[j * T + r] = row[cols[j]];
     }
   }
-  for (int64_t k = first; k < cf.end_step; ++k) {
+}
+
+template <typename V>
+void transpose_tile_rt(const V* x, int64_t C, const int64_t* cols, int64_t m, int64_t n, V* t, int64_t tr) {
+  switch (tr) {  // the tile height as a constant: the column stride of the stores is an immediate
+    case 32: transpose_tile<32>(x, C, cols, m, n, t); break;
+    case 64: transpose_tile<64>(x, C, cols, m, n, t); break;
+    case 128: transpose_tile<128>(x, C, cols, m, n, t); break;
+    default: transpose_tile<256>(x, C, cols, m, n, t); break;
+  }
+}
+
+// Runs one feature's steps over n <= kChainRows rows whose raw values and flags are x / v (contiguous: a column of
+// the tile buffers), in L1 buffers, and writes its output: dense features into the tile's row-major dense block
+// dtile[n, num_dense], sparse ones into ids_out (n values).
+void run_chain(const ChainFeature& cf, const ChainStep* steps, const uint64_t* xbits, const bool* v, int64_t n,
+               const float* borders, const int64_t* table, float* dtile, int64_t num_dense, int64_t* ids_out) {
+  alignas(64) int64_t id[2][kChainRows];
+  alignas(64) float fl[2][kChainRows];
+  alignas(64) int32_t idx[kChainRows];
+  const int64_t* raw = (const int64_t*)xbits;
+  const double* raw_f64 = (const double*)xbits;
+  int fi = 0, ii = 0;  // the current float / id buffer
+  bool is_float = false;
+  for (int64_t k = cf.first_step; k < cf.end_step; ++k) {
     const ChainStep& st = steps[k];
     float* fx = fl[fi];
     float* fo = fl[fi ^ 1];
@@ -902,14 +919,14 @@ void run_chain(const ChainFeature& cf, const ChainStep* steps, int64_t r0, int64
     int64_t* io = id[ii ^ 1];
     switch (st.code) {
       case FILL_FLOAT:
-        if (f64)
-          fill_run(raw_f64, valid, fl[fi], n, (float)st.f0);
+        if (cf.f64)
+          fill_run(raw_f64, v, fl[fi], n, (float)st.f0);
         else
-          fill_run(raw, valid, fl[fi], n, (float)st.f0);
+          fill_run(raw, v, fl[fi], n, (float)st.f0);
         is_float = true;
         continue;
       case FILL_ID:  // chain() checks that its column is int64
-        fill_run(raw, valid, id[ii], n, (int64_t)st.f0);
+        fill_run(raw, v, id[ii], n, (int64_t)st.f0);
         is_float = false;
         continue;
       case LOGIT: logit_run(fx, fo, n, st.f0, st.f1); fi ^= 1; break;
@@ -932,18 +949,20 @@ void run_chain(const ChainFeature& cf, const ChainStep* steps, int64_t r0, int64
     }
   }
   if (cf.to_dense) {
-    float* o = dense + r0 * num_dense + cf.slot;
+    float* o = dtile + cf.slot;
     if (is_float)
       for (int64_t r = 0; r < n; ++r) o[r * num_dense] = fl[fi][r];
     else
       for (int64_t r = 0; r < n; ++r) o[r * num_dense] = (float)id[ii][r];
   } else {
-    std::memcpy(ids + cf.slot * B + r0, id[ii], n * sizeof(int64_t));
+    stream_copy(ids_out, id[ii], n * (int64_t)sizeof(int64_t));
   }
 }
 
-// One pass over the batch: row tiles of at most kChainRows, every feature's chain per tile. Returns the dense matrix
-// [B, num_dense] (float32, row-major) and the ids [num_sparse * B] (key-major, one id per row: a KJT's values).
+// One pass over the batch in row tiles. Per tile: the raw rows of each matrix are transposed (the columns the plan
+// reads, values and flags) into column-major tile buffers, every feature's chain runs on its column's contiguous
+// run, and the outputs are streamed out: the tile's block of the dense matrix [B, num_dense] (float32, row-major)
+// and each feature's run of the ids [num_sparse * B] (key-major, one id per row: a KJT's values).
 std::vector<Tensor> chain(const Tensor& dense_raw, const Tensor& dense_valid, const Tensor& sparse_raw,
                           const Tensor& sparse_valid, at::IntArrayRef src_kind, at::IntArrayRef src_col,
                           at::IntArrayRef out_kind, at::IntArrayRef out_slot, at::IntArrayRef step_offsets,
@@ -957,6 +976,7 @@ std::vector<Tensor> chain(const Tensor& dense_raw, const Tensor& dense_valid, co
   check_len(step_offsets.size(), F + 1, "chain", "step_offsets");
   for (auto* v : {&f0, &f1}) check_len(v->size(), S, "chain", "float parameters");
   for (auto* v : {&i0, &i1}) check_len(v->size(), S, "chain", "int parameters");
+  TORCH_CHECK(num_dense >= 0 && num_sparse >= 0, "chain: num_dense and num_sparse must be >= 0");
   const Tensor raws[2] = {dense_raw.contiguous(), sparse_raw.contiguous()};
   const Tensor valids[2] = {dense_valid.contiguous(), sparse_valid.contiguous()};
   const int64_t B = raws[0].size(0);
@@ -975,9 +995,13 @@ std::vector<Tensor> chain(const Tensor& dense_raw, const Tensor& dense_valid, co
     steps[k] = {codes[k], i0[k], i1[k], f0[k], f1[k], {1, 0, 0, true}};
     if (codes[k] == SIGRID_HASH) {
       TORCH_CHECK(i1[k] >= 1, "chain: sigrid_hash modulus must be >= 1");
-      steps[k].mod = mod_magic((uint64_t)i1[k]);
+      steps[k].mod = mod_magic((uint64_t)i1[k]);  // once per call, not per tile
     }
   }
+  // the columns each matrix's tile buffers hold: those some feature reads, in order of first use
+  std::vector<int64_t> tile_cols[2];
+  std::vector<int64_t> col_to_tile[2] = {std::vector<int64_t>(raws[0].size(1), -1),
+                                         std::vector<int64_t>(raws[1].size(1), -1)};
   std::vector<ChainFeature> feats(F);
   for (int64_t f = 0; f < F; ++f) {
     const int64_t kind = src_kind[f];
@@ -994,31 +1018,66 @@ std::vector<Tensor> chain(const Tensor& dense_raw, const Tensor& dense_valid, co
     if (f64)
       for (int64_t k = step_offsets[f]; k < step_offsets[f + 1]; ++k)
         TORCH_CHECK(codes[k] != FILL_ID, "chain: feature ", f, " fills ids from a float64 column");
-    feats[f] = {f64 ? nullptr : raw.data_ptr<int64_t>() + src_col[f], f64 ? raw.data_ptr<double>() + src_col[f] : nullptr,
-                valids[kind].data_ptr<bool>() + src_col[f], raw.size(1), to_dense, out_slot[f], step_offsets[f],
-                step_offsets[f + 1]};
+    int64_t& tc = col_to_tile[kind][src_col[f]];
+    if (tc < 0) {
+      tc = (int64_t)tile_cols[kind].size();
+      tile_cols[kind].push_back(src_col[f]);
+    }
+    feats[f] = {kind, tc, f64, to_dense, out_slot[f], step_offsets[f], step_offsets[f + 1]};
   }
   for (const auto& st : steps) {
     if (st.code == BUCKETIZE)
       TORCH_CHECK(0 <= st.i0 && st.i0 <= st.i1 && st.i1 <= borders.numel(), "chain: bucketize borders out of range");
     if (st.code == MAPID)
       TORCH_CHECK(0 <= st.i0 && st.i0 <= st.i1 && st.i1 <= table.numel(), "chain: mapid table out of range");
-    if (st.code == SIGRID_HASH) TORCH_CHECK(st.i1 >= 1, "chain: sigrid_hash modulus must be >= 1");
   }
   Tensor dense = at::empty({B, num_dense}, raws[0].options().dtype(at::kFloat));
   Tensor ids = at::empty({num_sparse * B}, raws[1].options().dtype(at::kLong));
+  if (B == 0) return {dense, ids};
   float* dp = dense.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   const float* bp = borders.data_ptr<float>();
   const int64_t* tp = table.data_ptr<int64_t>();
-  // Rows per tile: the widest raw matrix's tile block (its rows are gathered once per feature) stays within 32 KiB
-  // of L1. (Measured on plan 3, 8192 rows: 32-row tiles ran 1.3-3x faster than 256-row ones, whose 213 KiB block
-  // is gathered from L2 for each of the 104 sparse features.)
-  const int64_t row_bytes = 8 * std::max<int64_t>({1, raws[0].size(1), raws[1].size(1)});
+  // a matrix's columns are transposed in their order when the plan reads all of them (no index per value)
+  const int64_t* cols_of[2];
+  const uint64_t* xbits[2];
+  const uint8_t* vbytes[2];
+  int64_t ncols[2];
+  for (int k = 0; k < 2; ++k) {
+    bool identity = (int64_t)tile_cols[k].size() == raws[k].size(1);
+    for (int64_t j = 0; identity && j < (int64_t)tile_cols[k].size(); ++j) identity = tile_cols[k][j] == j;
+    cols_of[k] = identity ? nullptr : tile_cols[k].data();
+    xbits[k] = (const uint64_t*)raws[k].data_ptr();  // int64 or float64 values: transposed as their 8 bytes
+    vbytes[k] = (const uint8_t*)valids[k].data_ptr<bool>();
+    ncols[k] = (int64_t)tile_cols[k].size();
+  }
+  // Rows per tile (a power of two from 32 to kChainRows): the tile buffers (8 bytes + a flag per column read, and
+  // the dense block) within 96 KiB, so they stay in L2 while every feature reads its column from them. (Measured
+  // with cold caches, RAP plans 0-3 at 8192 rows: a 96 KiB budget beat 24, 48 and 192 KiB; plan 0 gets 128 rows.)
+  const int64_t tile_bytes_per_row = 9 * (ncols[0] + ncols[1]) + 4 * num_dense;
   int64_t tile_rows = kChainRows;
-  while (tile_rows > 16 && tile_rows * row_bytes > 32 * 1024) tile_rows /= 2;
-  for_row_tiles(B, tile_rows, 1, [&](int64_t r0, int64_t r1) {
-    for (const auto& cf : feats) run_chain(cf, steps.data(), r0, r1 - r0, bp, tp, dp, num_dense, ip, B);
+  while (tile_rows > 32 && tile_rows * tile_bytes_per_row > 96 * 1024) tile_rows /= 2;
+  const int64_t T = tile_rows;
+  at::parallel_for(0, (B + T - 1) / T, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint64_t> xt((ncols[0] + ncols[1]) * T);
+    std::vector<uint8_t> vt((ncols[0] + ncols[1]) * T);
+    std::vector<float> dtile(std::max<int64_t>(1, num_dense * T));
+    uint64_t* xk[2] = {xt.data(), xt.data() + ncols[0] * T};
+    uint8_t* vk[2] = {vt.data(), vt.data() + ncols[0] * T};
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r0 = t * T, n = std::min(B, r0 + T) - r0;
+      for (int k = 0; k < 2; ++k) {
+        if (ncols[k] == 0) continue;
+        const int64_t C = raws[k].size(1);
+        transpose_tile_rt(xbits[k] + r0 * C, C, cols_of[k], ncols[k], n, xk[k], T);
+        transpose_tile_rt(vbytes[k] + r0 * C, C, cols_of[k], ncols[k], n, vk[k], T);
+      }
+      for (const auto& cf : feats)
+        run_chain(cf, steps.data(), xk[cf.src] + cf.tile_col * T, (const bool*)(vk[cf.src] + cf.tile_col * T), n, bp,
+                  tp, dtile.data(), num_dense, ip + cf.slot * B + r0);
+      if (num_dense > 0) stream_copy(dp + r0 * num_dense, dtile.data(), n * num_dense * (int64_t)sizeof(float));
+    }
+    stream_fence();
   });
   return {dense, ids};
 }
