@@ -29,8 +29,10 @@ export AIRFLOW__CORE__PARALLELISM=${AIRFLOW__CORE__PARALLELISM:-2}
 export AIRFLOW__CORE__LOAD_EXAMPLES=${AIRFLOW__CORE__LOAD_EXAMPLES:-False}
 export AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION=${AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION:-False}
 export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-sqlite:///$AIRFLOW_HOME/airflow.db}
-# SQLite only: every Airflow process (scheduler, API server, DAG processor, triggerer, CLI) waits up to 60 s for
-# another's write lock instead of sqlite3's 5 s (recforge.settings.AIRFLOW_SQLITE_CONNECT_ARGS).
+# SQLite only: every Airflow process (scheduler, API server, DAG processor, triggerer, CLI) opens its write
+# transactions with BEGIN IMMEDIATE (a deferred read-then-write transaction gets "database is locked" at once, with no
+# wait) and waits up to 60 s for another's write lock instead of sqlite3's 5 s
+# (recforge.settings.AIRFLOW_SQLITE_CONNECT_ARGS: ImmediateSQLiteConnection).
 case $AIRFLOW__DATABASE__SQL_ALCHEMY_CONN in
     sqlite*)
         export AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS=${AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS:-recforge.settings.AIRFLOW_SQLITE_CONNECT_ARGS}

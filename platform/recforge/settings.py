@@ -92,7 +92,8 @@ def embedded_env(home: Path | None = None) -> dict[str, str]:
 
 
 def sqlite_connect_args_env() -> dict[str, str]:
-    """Airflow's connect-args settings for a SQLite metadata DB: the busy timeout above for sync and async engines."""
+    """Airflow's connect-args settings for a SQLite metadata DB, sync and async engines: immediate write
+    transactions (ImmediateSQLiteConnection) and the busy timeout above."""
     return {
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "recforge.settings.AIRFLOW_SQLITE_CONNECT_ARGS",
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC": "recforge.settings.AIRFLOW_SQLITE_CONNECT_ARGS_ASYNC",
@@ -101,7 +102,8 @@ def sqlite_connect_args_env() -> dict[str, str]:
 
 def apply_embedded_env(home: Path | None = None) -> dict[str, str]:
     """Fill in whatever the caller's environment does not already set (set but empty counts as set); a SQLite
-    metadata DB also gets the busy timeout (another database's driver would refuse sqlite3's `timeout`)."""
+    metadata DB also gets immediate write transactions and the busy timeout (another database's driver would refuse
+    sqlite3's `timeout`)."""
     env = embedded_env(home)
     for key, value in env.items():
         os.environ.setdefault(key, value)
