@@ -90,7 +90,7 @@ def no_indicator_plan(cfg: PipelineConfig, path: Path) -> Path:
     dataset = cfg.dataset()
     for d in dataset.dense:
         d.missing_indicator = False
-    plan = schema_plan(dataset, cfg.table_cap)
+    plan = schema_plan(dataset, cfg.table_cap, cfg.hash_headroom)
     path.parent.mkdir(parents=True, exist_ok=True)
     plan.save(path)
     return path
@@ -114,7 +114,7 @@ def needs(cfg: PipelineConfig) -> dict[str, int]:
     """Peak memory and disk one point of this config needs (bytes), from the per-row costs above."""
     days = cfg.train_days + (1 if cfg.holdout == "next_day" else 0)
     rows = cfg.rows_per_day * days
-    table_rows = sum(f.table_rows(cfg.table_cap) for f in cfg.dataset().sparse)
+    table_rows = sum(f.table_rows(cfg.table_cap, cfg.hash_headroom) for f in cfg.dataset().sparse)
     tables = table_rows * cfg.model.embedding_dim * 4 * OPTIMIZER_COPIES
     workers = cfg.resources.workers
     # the task process plus each worker (full tables in the worst plan: every table replicated), or evaluate

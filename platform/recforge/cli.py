@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 from rich.text import Text
 
-from recforge.config import PipelineConfig, dataset_preset, load_config, load_dataset
+from recforge.config import HASH_HEADROOM, PipelineConfig, dataset_preset, load_config, load_dataset
 from recforge.demo import how_to_open, run_demo
 from recforge.elastic.simulate.cli import app as simulate_app
 from recforge.pipelines.context import RunContext
@@ -92,6 +92,7 @@ def preprocess(
                                             "(plan0..plan3) or a plan JSON/YAML file"),
     executor: str = typer.Option("fused", help="eager | fused | dali"),
     table_cap: int = 100_000, batch_size: int = 8192,
+    hash_headroom: int = typer.Option(HASH_HEADROOM, help="the schema plan's table rows: min(cardinality x this, cap)"),
 ):
     """Run a preprocessing plan over a manifest with the named executor and report throughput."""
     from recforge.data.manifest import Manifest  # lazy: pyarrow; the other commands start without it
@@ -102,7 +103,7 @@ def preprocess(
     if executor not in EXECUTORS:
         raise typer.BadParameter(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
     manifest = Manifest.load(manifest_dir)
-    the_plan = load_plan(plan, manifest.dataset, table_cap)
+    the_plan = load_plan(plan, manifest.dataset, table_cap, hash_headroom)
     run = make_executor(executor, the_plan, manifest.dataset)
     rows, t = 0, time.perf_counter()
     with _progress() as bar:

@@ -89,18 +89,49 @@ def test_schema_plan_chains_follow_the_roles():
     assert chains["dwell_s"] == [("fill_null", {"value": 0})]
     assert chains["views_7d"] == [("fill_null", {"value": 0}), ("log1p", {})]
     assert chains["site"] == [("fill_null", {"value": 0}), ("sigrid_hash", {"salt": 0, "M": CAP}), ("firstx", {"X": 1})]
-    assert p.tables() == [("site", CAP), ("device_type", 7), ("app", CAP)]  # min(cardinality, cap); cap if unknown
+    # min(cardinality x 64, cap); cap if unknown
+    assert p.tables() == [("site", CAP), ("device_type", 7 * 64), ("app", CAP)]
     assert p.dense_features() == ["price", "dwell_s", "views_7d", "price_missing", "dwell_s_missing",
                                   "views_7d_missing"]  # label, id and timestamp columns are not features
     assert chains["price_missing"] == [("fill_null", {"value": -1}), ("clamp", {"lo": -1, "hi": 0})]
     m = schema_plan(MULTI, CAP)
     assert [(s.op, s.params) for s in m.features[-1].ops][-1] == ("firstx", {"X": 3})
-    assert m.tables() == [("user", 300), ("genres", 50)]
+    assert m.tables() == [("user", CAP), ("genres", CAP)]  # 300 and 50 known values
+    assert schema_plan(MULTI, CAP, hash_headroom=1).tables() == [("user", 300), ("genres", 50)]
     c = schema_plan(CRITEO, CAP)
     assert [s.op for s in c.features[0].ops] == ["fill_null", "log1p"] and len(c.features) == 13 + 13 + 26
-    assert dict(c.tables())["C9"] == 3 and dict(c.tables())["C3"] == CAP
+    assert dict(c.tables())["C9"] == 3 * 64 and dict(c.tables())["C3"] == CAP
+    assert c.name.endswith("_x64") and schema_plan(CRITEO, CAP, 2).name.endswith("_x2")
     with pytest.raises(ValueError, match="table_cap must be >= 1"):
         schema_plan(CSV, 0)
+    with pytest.raises(ValueError, match="hash_headroom must be >= 1"):
+        schema_plan(CSV, CAP, 0)
+
+
+@pytest.mark.parametrize(("headroom", "lo", "hi"), [(1, 0.55, 0.70), (64, 0.0, 0.04)])
+def test_hash_headroom_keeps_known_values_in_rows_of_their_own(headroom, lo, hi):
+    """n distinct raw values hashed into n rows share a row ~63% of the time (1 - 1/e); into 64 n rows ~1.5%. The
+    share is measured on the plan's own sigrid_hash modulus, on 2,000 values of a column of that cardinality."""
+    ds = DatasetConfig.model_validate({"name": "one", "format": "csv", "columns": [
+        {"role": "label", "name": "y"}, {"role": "categorical", "name": "c", "encoding": "int", "cardinality": 2000}]})
+    plan = schema_plan(ds, 10**9, hash_headroom=headroom)
+    (chain,) = [f.ops for f in plan.features if f.name == "c"]
+    modulus = next(op.params["M"] for op in chain if op.op == "sigrid_hash")
+    assert modulus == 2000 * headroom
+    rows = np.array([sigrid_hash_ref(v, 0, modulus) for v in range(1, 2001)])
+    _, inverse, counts = np.unique(rows, return_inverse=True, return_counts=True)
+    shared = float((counts[inverse] > 1).mean())
+    assert lo <= shared <= hi, f"headroom {headroom}: {shared:.3f} of the values share a row"
+
+
+def test_the_pipeline_passes_its_hash_headroom_to_the_schema_plan():
+    cfg = PipelineConfig()
+    assert cfg.hash_headroom == 64
+    assert load_plan("schema", CSV, CAP, cfg.hash_headroom) == schema_plan(CSV, CAP)
+    assert dict(load_plan("schema", CSV, CAP, 3).tables())["device_type"] == 21
+    assert dict(load_plan("criteo", CSV, CAP, 3).tables())["device_type"] == 7  # RAP's plan 0 keeps its sizes
+    with pytest.raises(ValueError, match="hash_headroom"):
+        PipelineConfig(hash_headroom=0)
 
 
 def test_load_plan_schema_is_the_pipeline_default():
@@ -149,7 +180,8 @@ def test_multi_hot_keeps_up_to_max_length_ids_per_row():
         _, kjt = make_executor(name, plan, MULTI)(raw)
         g = kjt["genres"]
         assert g.lengths().tolist() == [3, 0, 2, 0]  # firstx(3) on a jagged column: up to 3 ids per row
-        assert g.values().tolist() == [sigrid_hash_ref(v, 0, 50) for v in (1, 2, 3, 7, 0)]  # the null id -> 0
+        rows = dict(plan.tables())["genres"]  # CAP: 50 known values x 64 is more
+        assert g.values().tolist() == [sigrid_hash_ref(v, 0, rows) for v in (1, 2, 3, 7, 0)]  # the null id -> 0
         assert kjt["user"].lengths().tolist() == [1, 1, 1, 1]
     assert PreprocessModule(plan, MULTI).list_columns == ["genres"]  # served as a jagged input (test_serving_multi_hot)
 

@@ -9,6 +9,7 @@ from recforge.config.datasets import (
     CRITEO_SPARSE_MISSING,
     CRITEO_TERABYTE_CARDINALITIES,
     DATASET_PRESETS,
+    HASH_HEADROOM,
     ROLES,
     Column,
     DatasetConfig,
@@ -40,7 +41,8 @@ from recforge.config.pipeline import (
 
 __all__ = [
     "CRITEO_DENSE_MISSING", "CRITEO_KAGGLE_CARDINALITIES", "CRITEO_SPARSE_MISSING", "CRITEO_TERABYTE_CARDINALITIES",
-    "DATASET_PRESETS", "ROLES", "Column", "CorunConfig", "IgnoredColumn", "LabelColumn", "MultiHotFeature",
+    "DATASET_PRESETS", "HASH_HEADROOM", "ROLES", "Column", "CorunConfig", "IgnoredColumn", "LabelColumn",
+    "MultiHotFeature",
     "TimestampColumn", "load_dataset", "load_dataset_file",
     "DLRoverConfig", "DatasetConfig", "DenseFeature", "ModelConfig",
     "PipelineConfig", "ResourceConfig", "SparseFeature", "StrictModel", "TrainConfig", "criteo_kaggle_dataset",

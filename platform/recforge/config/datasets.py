@@ -32,6 +32,7 @@ Role = Literal["label", "dense", "categorical", "multi_hot", "timestamp", "ignor
 ROLES: tuple[str, ...] = ("label", "dense", "categorical", "multi_hot", "timestamp", "ignore")
 Encoding = Literal["hex32", "hex64", "int", "string"]
 SCHEMA_DIR = Path(__file__).parent / "schemas"
+HASH_HEADROOM = 64  # the schema plan hashes n known values into 64 n rows (<= table_cap): ~1.5% share a row
 
 
 class LabelColumn(StrictModel):
@@ -79,15 +80,19 @@ class SparseFeature(StrictModel):
     encoding: Encoding = "hex32"
     cardinality: int | None = Field(
         None, ge=1, description="distinct raw values in the source data, if known: the default plan hashes to "
-        "min(cardinality, table_cap) rows (table_cap when unknown)")
+        "min(cardinality x hash_headroom, table_cap) rows (table_cap when unknown)")
     missing_rate: float = Field(0.0, ge=0.0, lt=1.0, description="synthetic data only: share of missing values")
 
     @property
     def multi_hot(self) -> bool:
         return False
 
-    def table_rows(self, table_cap: int) -> int:
-        return min(self.cardinality, table_cap) if self.cardinality is not None else table_cap
+    def table_rows(self, table_cap: int, headroom: int = 1) -> int:
+        """Rows of this column's hashed table: min(cardinality x headroom, table_cap), table_cap when the
+        cardinality is unknown. Hashing n values into n rows makes ~63% of them share a row (docs/data.md)."""
+        if headroom < 1:
+            raise ValueError(f"column {self.name!r}: hash headroom must be >= 1, got {headroom}")
+        return min(self.cardinality * headroom, table_cap) if self.cardinality is not None else table_cap
 
 
 class MultiHotFeature(SparseFeature):

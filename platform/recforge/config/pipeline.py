@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from recforge.config.base import StrictModel
-from recforge.config.datasets import DatasetConfig, load_dataset
+from recforge.config.datasets import HASH_HEADROOM, DatasetConfig, load_dataset
 
 
 class ModelConfig(StrictModel):
@@ -143,7 +143,11 @@ class PipelineConfig(StrictModel):
         1, ge=1, description="days trained on, ending with the run's day (its logical date)")
     seed: int = Field(0, description="seed of the synthetic data, model initialisation and data order")
     table_cap: int = Field(
-        100_000, ge=1, description="embedding rows per table: sigrid_hash modulus is min(cardinality, cap)")
+        100_000, ge=1, description="embedding rows per table at most: the schema plan's sigrid_hash modulus is "
+        "min(cardinality x hash_headroom, table_cap)")
+    hash_headroom: int = Field(
+        HASH_HEADROOM, ge=1, le=1_000_000, description="the schema plan hashes a column of n known values into "
+        "n x this many rows (capped by table_cap): 1 makes ~63% of the values share a row with another, 64 ~1.5%")
     rows_per_shard: int = Field(50_000, ge=1)
     max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
     champion_margin: float = Field(

@@ -44,6 +44,7 @@ PARAM_FIELDS: dict[str, tuple[str, ...]] = {
     "train_days": ("train_days",),
     "seed": ("seed",),
     "table_cap": ("table_cap",),
+    "hash_headroom": ("hash_headroom",),
     "model_arch": ("model", "arch"),
     "epochs": ("train", "epochs"),
     "batch_size": ("train", "batch_size"),

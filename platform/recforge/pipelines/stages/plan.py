@@ -14,7 +14,7 @@ def plan_resources(ctx: RunContext) -> PlanOutputs:
     def body(w, store, run_id):
 
         cfg = ctx.config
-        plan = load_plan(cfg.preprocess_plan, cfg.dataset(), cfg.table_cap)  # "schema": schema_plan(dataset, cap)
+        plan = load_plan(cfg.preprocess_plan, cfg.dataset(), cfg.table_cap, cfg.hash_headroom)  # "schema": schema_plan
         plan_path = w.tmp / "preprocess_plan.json"
         plan.save(plan_path)
         params, summary = preprocess_params(plan, cfg.dataset(), cfg.preprocess_executor, cfg.preprocess_plan)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from recforge.config import DatasetConfig
+from recforge.config import HASH_HEADROOM, DatasetConfig
 from recforge.preprocess.semantics.registry import OPS, IdRange, OpError, Value, ValueType, parse_params
 
 
@@ -222,16 +222,19 @@ def criteo_plan(dataset: DatasetConfig, table_cap: int) -> Plan:
 MISSING_SUFFIX = "_missing"  # schema_plan's missing-indicator inputs
 
 
-def schema_plan(dataset: DatasetConfig, table_cap: int) -> Plan:
+def schema_plan(dataset: DatasetConfig, table_cap: int, hash_headroom: int = HASH_HEADROOM) -> Plan:
     """The default plan, derived from the dataset's column roles (docs/data.md#default-preprocessing-plan):
     dense: fill_null(0) -> clamp(lo, hi) when the column sets `clip` -> log1p when its transform is log1p;
     then, per dense column with `missing_indicator` (the default), `<name>_missing`: fill_null(-1) -> clamp(-1, 0)
     (-1 missing or negative, 0 present): fill_null(0) alone makes a missing count look like a 0;
     categorical: fill_null(0) -> sigrid_hash(0, table rows) -> firstx(1);
     multi_hot: fill_null(0) -> sigrid_hash(0, table rows) -> firstx(max_length) (up to max_length ids per row).
-    Table rows: min(cardinality, table_cap), table_cap when the cardinality is not given."""
+    Table rows: min(cardinality x hash_headroom, table_cap), table_cap when the cardinality is not given: hashing
+    n values into n rows would make ~63% of them share a row, 64 n rows about 1.5%."""
     if table_cap < 1:
         raise ValueError(f"schema_plan: table_cap must be >= 1, got {table_cap}")
+    if hash_headroom < 1:
+        raise ValueError(f"schema_plan: hash_headroom must be >= 1, got {hash_headroom}")
     features = []
     for d in dataset.dense:
         ops = [OpSpec(op="fill_null", params={"value": 0})]
@@ -255,8 +258,8 @@ def schema_plan(dataset: DatasetConfig, table_cap: int) -> Plan:
         features.append(FeaturePlan(
             name=c.name, kind="sparse", source=c.name,
             ops=[OpSpec(op="fill_null", params={"value": 0}),
-                 OpSpec(op="sigrid_hash", params={"salt": 0, "M": c.table_rows(table_cap)}),
+                 OpSpec(op="sigrid_hash", params={"salt": 0, "M": c.table_rows(table_cap, hash_headroom)}),
                  OpSpec(op="firstx", params={"X": keep})]))
-    plan = Plan(name=f"schema_{dataset.name}_cap{table_cap}", features=features)
+    plan = Plan(name=f"schema_{dataset.name}_cap{table_cap}_x{hash_headroom}", features=features)
     plan.validate_for(dataset)
     return plan

@@ -16,7 +16,7 @@ from recforge.config import (
     rap_plan2_dataset,
     rap_plan3_dataset,
 )
-from recforge.preprocess.planning.plan import Plan, criteo_plan, schema_plan
+from recforge.preprocess.planning.plan import HASH_HEADROOM, Plan, criteo_plan, schema_plan
 
 PRESET_DIR = Path(__file__).parent
 PRESET_PLANS = ("plan0", "plan1", "plan2", "plan3")
@@ -43,16 +43,18 @@ def preset_dataset(name: str) -> DatasetConfig:
     return PRESET_DATASETS[name]()
 
 
-def load_plan(name_or_path: str | Path, dataset: DatasetConfig | None = None, table_cap: int | None = None) -> Plan:
+def load_plan(name_or_path: str | Path, dataset: DatasetConfig | None = None, table_cap: int | None = None,
+              hash_headroom: int = HASH_HEADROOM) -> Plan:
     """A plan built from the dataset ('schema', 'criteo'), a preset ('plan0'..'plan3') or a plan file
     (.json/.yaml/.yml); with `dataset` the plan is validated against it (PlanError names the feature and the op),
-    with `table_cap` its tables are capped."""
+    with `table_cap` its tables are capped. `hash_headroom` sizes the schema plan's tables (RAP's plans keep
+    min(cardinality, cap))."""
     key = str(name_or_path)
     if key in BUILT_PLANS:
         if dataset is None:
             raise ValueError(f"load_plan({key!r}) needs the dataset: the plan has one chain per dataset column")
-        build = schema_plan if key == "schema" else criteo_plan
-        return build(dataset, table_cap if table_cap is not None else 2**62)
+        cap = table_cap if table_cap is not None else 2**62
+        return schema_plan(dataset, cap, hash_headroom) if key == "schema" else criteo_plan(dataset, cap)
     if key in PRESET_PLANS:
         plan = Plan.load(preset_path(key))
     else:
