@@ -6,11 +6,11 @@
 The comparison (default) runs every policy on the same trace per seed and writes bench/results/simulate.json:
 each policy's metrics per seed, the gains against static per seed and their medians, next to the paper's.
 `--scale` runs one policy at a time in a fresh process per point (1k jobs on 100 nodes, nodes scaled with the
-jobs, the same arrival window, so the load per node is the same) and writes bench/results/simulate_scale.json:
-wall time, events, events/s, peak RSS and the load average per point. Each size is checked against the machine's
-memory first; with `--budget-s S` a policy's point is not started when its previous (smaller) point projects past S
-(its time x the jobs ratio, times the growth per 10x measured between the two smaller points when there are two):
-the point records the projection instead.
+jobs, the same arrival window, so the load per node is the same) and writes bench/results/simulate_scale.json
+(`--scale-file NAME`: another file there): wall time, events, events/s, peak RSS and the load average per point.
+Each size is checked against the machine's memory first; with `--budget-s S` a policy's point is not started when
+its previous (smaller) point projects past S (its time x the jobs ratio, times the growth per 10x measured between
+the two smaller points when there are two): the point records the projection instead.
 """
 from __future__ import annotations
 
@@ -72,10 +72,11 @@ def one_point(jobs: int, nodes: int, policy: str, seed: int, shape: str, window_
     t_trace = time.perf_counter() - t0
     sim = Simulation(trace, make_policy(policy), ClusterSpec(nodes=nodes),
                      SimParams(eviction_per_node_h=tp.eviction_per_node_h), seed)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     r = sim.run()
-    t_sim = time.perf_counter() - t1
+    t_sim, c_sim = time.perf_counter() - t1, time.process_time() - c1
     return {"jobs": jobs, "nodes": nodes, "policy": policy, "seed": seed, "trace_s": t_trace, "sim_s": t_sim,
+            "sim_cpu_s": c_sim,  # (CPU seconds: on a shared machine the wall time also counts the waits for a core)
             "wall_s": time.perf_counter() - t0, "events": sim.events, "events_per_s": sim.events / t_sim,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "loadavg_end": os.getloadavg(),
@@ -119,7 +120,7 @@ def scale(args) -> int:
                 points.append({**json.loads(out.stdout.strip().splitlines()[-1]), "loadavg_start": load0,
                                "projected_s": proj})
             print(json.dumps(points[-1]))
-    path = args.out / "simulate_scale.json"
+    path = args.out / args.scale_file
     if args.merge and path.exists():  # keep the earlier points of sizes / policies not run now
         ran = {(p["jobs"], p.get("policy")) for p in points}
         points = [p for p in json.loads(path.read_text())["points"] if (p["jobs"], p.get("policy")) not in ran] + points
@@ -194,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--point-timeout-s", type=float, default=1800.0)
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="--scale: skip a point whose projection from the policy's smaller points exceeds this")
-    ap.add_argument("--merge", action="store_true", help="--scale: add to bench/results/simulate_scale.json's points")
+    ap.add_argument("--merge", action="store_true", help="--scale: add to the scale file's points")
+    ap.add_argument("--scale-file", default="simulate_scale.json",
+                    help="--scale: the results file's name under --out (another name keeps the committed one)")
     ap.add_argument("--point", nargs=3, metavar=("JOBS", "NODES", "POLICY"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.point:

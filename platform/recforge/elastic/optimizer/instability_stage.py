@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -68,8 +69,16 @@ class InstabilityStage:
             # against the median of the *other* workers: with two workers the median of all is their mean,
             # which no step time can exceed twice (from the one sort: all but one occurrence of the worker's own)
             f = self.cfg.straggler_factor
-            slow = [i for i, t in enumerate(obs.worker_step_s)
-                    if t and t > f * (_median_sorted(srt, bisect.bisect_left(srt, t)) if t > 0 else med)]
+            slow: list[int] = []
+            verdict: dict[float, bool] = {}  # (a step time's verdict once: the workers a profiler reports mostly tie)
+            for i, t in enumerate(obs.worker_step_s):
+                if not t:
+                    continue
+                v = verdict.get(t)
+                if v is None:
+                    v = verdict[t] = t > f * (_median_sorted(srt, bisect.bisect_left(srt, t)) if t > 0 else med)
+                if v:
+                    slow.append(i)
             if slow:
                 events.append(Event("instability", "replace_straggler",
                                     f"worker(s) {slow} step time > {self.cfg.straggler_factor}x the median of "
@@ -134,6 +143,38 @@ class InstabilityStage:
                            memory_per_worker=max(floor, plan.memory_per_worker / 2))
         return plan
 
+    def _add_points(self, group: str, step: float, rss_list: Sequence[float]) -> None:
+        """Each pod's RSS into its trend `trends[(group, i)]`. Pods that report the same RSS every time share one
+        trend object (a profiler's workers mostly tie): one `add` instead of one per pod, the same points per key."""
+        n = len(rss_list)
+        if not n:
+            return
+        keys = [(group, i) for i in range(n)]
+        trs = [self.trends.get(k) for k in keys]
+        r0 = rss_list[0]
+        if (rss_list.count(r0) == n if isinstance(rss_list, list) else all(x == r0 for x in rss_list)):
+            first = trs[0]
+            if first is None and all(t is None for t in trs):  # new trends: one object for all
+                first = MemoryTrend()
+                for k in keys:
+                    self.trends[k] = first
+                first.add(step, r0)
+                return
+            if (first is not None and all(t is first for t in trs)
+                    and not any(t is first for o, t in self.trends.items() if o[0] == group and o[1] >= n)):
+                first.add(step, r0)  # shared by exactly these keys: it stays shared
+                return
+        refs: dict[int, int] = {}  # otherwise one trend per key: a shared one is copied before it is added to
+        for t in self.trends.values():
+            refs[id(t)] = refs.get(id(t), 0) + 1
+        for k, tr, rss in zip(keys, trs, rss_list, strict=True):
+            if tr is None:
+                tr = self.trends[k] = MemoryTrend()
+            elif refs[id(tr)] > 1:
+                refs[id(tr)] -= 1
+                tr = self.trends[k] = tr.copy()
+            tr.add(step, rss)
+
     def _memory_need(self, obs: Observation) -> Event | None:
         """Workers and servers alike: an OOM that happened, or one the trend / model predicts before the end."""
         plan, cfg = obs.plan, self.cfg
@@ -147,8 +188,7 @@ class InstabilityStage:
             self.trends.clear()
             self._trend_shape = shape
         for group, _, rss_list, _ in groups:
-            for i, rss in enumerate(rss_list):
-                self.trends.setdefault((group, i), MemoryTrend()).add(obs.step, rss)
+            self._add_points(group, obs.step, rss_list)
         for group, field_name, rss_list, oom in groups:
             limit = getattr(plan, field_name)
             reason, predicted = None, None
@@ -160,7 +200,7 @@ class InstabilityStage:
                 prev = None
                 for i in range(len(rss_list)):
                     tr = self.trends[(group, i)]
-                    if prev is not None and tr.points == prev.points:
+                    if prev is not None and (tr is prev or tr.points == prev.points):
                         continue  # the same points as the pod before (which did not break): the same answer
                     prev = tr
                     steps_left = tr.steps_to_exhaustion(limit)

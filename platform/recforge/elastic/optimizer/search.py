@@ -42,15 +42,30 @@ def candidates(plan: PodPlan, grow: bool, ps: bool) -> list[tuple[str, PodPlan]]
     sv, cs, ms = plan.servers, plan.cpu_per_server, plan.memory_per_server
     out = []
     if w + d >= 1:
-        out.append((names[0], PodPlan(w + d, c, m, b, sv, cs, ms)))
+        out.append((names[0], _plan(w + d, c, m, b, sv, cs, ms)))
     if c + d >= 1:
-        out.append((names[1], PodPlan(w, c + d, m, b, sv, cs, ms)))
+        out.append((names[1], _plan(w, c + d, m, b, sv, cs, ms)))
     if ps:
         if sv + d >= 1:
-            out.append((names[2], PodPlan(w, c, m, b, sv + d, cs, ms)))
+            out.append((names[2], _plan(w, c, m, b, sv + d, cs, ms)))
         if cs + d >= 1:
-            out.append((names[3], PodPlan(w, c, m, b, sv, cs + d, ms)))
+            out.append((names[3], _plan(w, c, m, b, sv, cs + d, ms)))
     return out
+
+
+_new = object.__new__
+
+
+def _plan(w: int, c: float, m: float, b: int, sv: int, cs: float, ms: float) -> PodPlan:
+    """PodPlan(w, c, m, b, sv, cs, ms) for the search's inner loop: the same fields and the same check as its
+    __init__ / __post_init__, written into the instance's __dict__ (a frozen dataclass's __init__ sets each field
+    through object.__setattr__, a third of the search's plan building)."""
+    if w < 1 or c <= 0 or m <= 0:
+        return PodPlan(w, c, m, b, sv, cs, ms)  # (raises PodPlan's own error)
+    p = _new(PodPlan)
+    p.__dict__.update(workers=w, cpu_per_worker=c, memory_per_worker=m, batch_size=b, servers=sv, cpu_per_server=cs,
+                      memory_per_server=ms)
+    return p
 
 
 def memory_for(plan: PodPlan, job: JobDescription, mem: MemoryModel, cfg: OptimizerConfig, floor: float) -> PodPlan:
@@ -66,7 +81,9 @@ def memory_for(plan: PodPlan, job: JobDescription, mem: MemoryModel, cfg: Optimi
 def _with(plan: PodPlan, **change: Any) -> PodPlan:
     """dataclasses.replace for the search's inner loop (the same fields through __init__, without its
     per-call field introspection)."""
-    return PodPlan(**{**plan.__dict__, **change})
+    d = {**plan.__dict__, **change}
+    return _plan(d["workers"], d["cpu_per_worker"], d["memory_per_worker"], d["batch_size"], d["servers"],
+                 d["cpu_per_server"], d["memory_per_server"])
 
 
 def _row(plan: PodPlan, host: float | None) -> tuple[float, float, float, float, float, float]:

@@ -50,10 +50,11 @@ class Cluster:
         self._bound_m: dict[float, int] = {}
 
     def _bc(self, fc: np.ndarray) -> np.ndarray:
-        return np.clip(np.ceil(fc - 1e-7), 0, self._kc - 1).astype(np.int64)
+        # (np.minimum / np.maximum: np.clip's values, at a fraction of its per-call overhead)
+        return np.minimum(np.maximum(np.ceil(fc - 1e-7), 0), self._kc - 1).astype(np.int64)
 
     def _bm(self, fm: np.ndarray) -> np.ndarray:
-        return np.clip(np.ceil((fm - 1e-3) / GiB), 0, self._km - 1).astype(np.int64)
+        return np.minimum(np.maximum(np.ceil((fm - 1e-3) / GiB), 0), self._km - 1).astype(np.int64)
 
     def _hist(self, nodes, sign: int) -> None:
         """Take `nodes` (distinct) out of the bucket histograms (sign -1) or put them back (+1)."""

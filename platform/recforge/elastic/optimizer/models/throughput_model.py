@@ -24,8 +24,36 @@ class ModelFitError(ValueError):
     """The points cannot support a fit (too few, non-positive throughput, unknown term)."""
 
 
+def _nnls_core() -> Callable | None:
+    """scipy's compiled NNLS (what `scipy.optimize.nnls` calls after its checks: x, rnorm, info), when this scipy
+    has it with that signature and it gives the public function's answer; None otherwise (the public one is used).
+    `fit` calls NNLS six times per refit on arrays it built itself, so the wrapper's checks were a third of it."""
+    try:
+        from scipy.optimize._slsqplib import nnls as core
+        a, b = np.array([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]), np.array([2.0, 1.0, -1.0])
+        x, rnorm, info = core(a, b, 6)
+        px, prnorm = nnls(a, b, maxiter=6)
+        if info != 1 or not np.array_equal(x, px) or rnorm != prnorm:
+            return None
+        return core
+    except Exception:  # noqa: BLE001  # any other scipy: the public function
+        return None
+
+
+_NNLS_CORE = _nnls_core()
+
+
 def solve_nnls(a: np.ndarray, b: np.ndarray, what: str, maxiter: int | None = None) -> np.ndarray:
-    """scipy's NNLS solution; its non-convergence (a RuntimeError) and bad input as a ModelFitError naming `what`."""
+    """scipy's NNLS solution; its non-convergence (a RuntimeError) and bad input as a ModelFitError naming `what`.
+    C-ordered float64 2-D / 1-D inputs of matching length with finite values go to scipy's compiled solver directly
+    (`_NNLS_CORE`: the same solution, without the wrapper's per-call overhead); anything else through `nnls`."""
+    if (_NNLS_CORE is not None and type(a) is np.ndarray and type(b) is np.ndarray and a.dtype == np.float64
+            and b.dtype == np.float64 and a.ndim == 2 and b.ndim == 1 and a.shape[0] == b.shape[0]
+            and a.flags.c_contiguous and np.isfinite(a).all() and np.isfinite(b).all()):
+        x, _, info = _NNLS_CORE(a, b, maxiter or 3 * a.shape[1])
+        if info == 3:
+            raise ModelFitError(f"{what}: NNLS did not converge (Maximum number of iterations reached.)")
+        return x
     try:
         x, _ = nnls(a, b, maxiter=maxiter)
     except RuntimeError as e:  # scipy: "Maximum number of iterations reached."
@@ -324,35 +352,51 @@ def fit(samples: Sequence[Sample], terms: Sequence[str], *, prior: ThroughputMod
     """
     samples = list(samples)
     terms = tuple(terms)
-    if not terms:
-        raise ModelFitError("fit: no terms")
-    _check(samples)
-    if len(samples) < len(terms) and (prior is None or prior_strength <= 0):
-        raise ModelFitError(f"fit: {len(samples)} points cannot determine {len(terms)} coefficients {list(terms)}")
-    unknown = [k for k in terms if k not in TERMS]
-    if unknown:
-        raise ModelFitError(f"unknown model terms {unknown}; known: {sorted(TERMS)}")
+    _fit_checks(samples, terms, prior, prior_strength)
     allocs = [s.allocation for s in samples]
     if rows is not None and len(rows) != len(samples):
         raise ValueError(f"fit: {len(rows)} rows for {len(samples)} samples")
     # the columns once: the design matrix, the step times, the prior's scales and the fit's MAPE all read them
     v = (_cols_of_rows(rows) if rows is not None else _cols(allocs)) if samples else None
     thr = np.array([s.samples_per_s for s in samples], float)
-    t = v["w"] * v["b"] / thr if v is not None else np.zeros(0)  # (step_time's arithmetic)
     base_w = np.array([s.weight for s in samples], float) if samples else np.zeros(0)
-    D = _design(v, terms, len(samples)) if v is not None else np.zeros((0, len(terms)))
+    return _fit_columns(v, thr, base_w, terms, prior, prior_strength, irls_iters, allocs)
+
+
+def _fit_checks(samples: Sequence[Sample], terms: tuple[str, ...], prior: ThroughputModel | None,
+                prior_strength: float, thr_ok: bool = False) -> None:
+    """`fit`'s refusals, in its order (`thr_ok`: the caller checked every throughput is finite and > 0)."""
+    if not terms:
+        raise ModelFitError("fit: no terms")
+    if not thr_ok:
+        _check(samples)
+    if len(samples) < len(terms) and (prior is None or prior_strength <= 0):
+        raise ModelFitError(f"fit: {len(samples)} points cannot determine {len(terms)} coefficients {list(terms)}")
+    unknown = [k for k in terms if k not in TERMS]
+    if unknown:
+        raise ModelFitError(f"unknown model terms {unknown}; known: {sorted(TERMS)}")
+
+
+def _fit_columns(v: dict[str, np.ndarray] | None, thr: np.ndarray, base_w: np.ndarray, terms: tuple[str, ...],
+                 prior: ThroughputModel | None, prior_strength: float, irls_iters: int,
+                 allocs: Sequence[Allocation]) -> ThroughputModel:
+    """`fit` on checked inputs: the samples' columns (`_cols`; None without samples), throughputs and weights.
+    (Means as np.add.reduce / n: np.mean's sum and division, without its per-call overhead.)"""
+    n = len(thr)
+    t = v["w"] * v["b"] / thr if v is not None else np.zeros(0)  # (step_time's arithmetic)
+    D = _design(v, terms, n) if v is not None else np.zeros((0, len(terms)))
     X0 = D / t[:, None]
     P, q = np.zeros((0, len(terms))), np.zeros(0)
     if prior is not None and prior_strength > 0:
         pc = dict(zip(prior.terms, prior.coef, strict=True))
         pvec = np.array([pc.get(k, 0.0) for k in terms])
         ref = allocs or [Allocation(1, 1.0, 512)]
-        cols = np.abs(D if samples else design_matrix(ref, terms)).mean(axis=0)
-        tref = float(np.mean(t)) if len(t) else float(ThroughputModel(terms, tuple(pvec)).step_time(ref).mean())
+        cols = (np.add.reduce(np.abs(D), axis=0) / n if n
+                else np.abs(design_matrix(ref, terms)).mean(axis=0))
+        tref = float(np.add.reduce(t) / n) if n else float(ThroughputModel(terms, tuple(pvec)).step_time(ref).mean())
         # a coefficient's scale: its prior value, or what would make its term 10% of a step
         scale = np.where(pvec > 0, pvec, 0.1 * tref / np.maximum(cols, 1e-12))
         P, q = prior_strength * np.diag(1.0 / scale), prior_strength * pvec / scale
-    n = len(t)
     extra = np.ones(n)
     A = np.empty((n + len(P), len(terms)))  # [X0 * w; P] and [w; q], filled in place each round
     A[n:] = P
@@ -368,9 +412,9 @@ def fit(samples: Sequence[Sample], terms: Sequence[str], *, prior: ThroughputMod
             break
         pred = np.maximum(X0 @ coef, 1e-12)  # predicted step time / measured step time
         extra = np.minimum(np.maximum(1.0 / pred, 0.1), 10.0) ** 2  # (np.clip's values)
-    model = ThroughputModel(terms, tuple(coef), n_points=len(samples))
+    model = ThroughputModel(terms, tuple(coef), n_points=n)
     if v is not None:  # (predict_matrix's arithmetic on the columns above)
-        model.fit_mape = mape(v["w"] * v["b"] / np.maximum(D @ np.asarray(model.coef), 1e-12), thr)
+        model.fit_mape = _mape_arrays(v["w"] * v["b"] / np.maximum(D @ np.asarray(model.coef), 1e-12), thr)
     return model
 
 
@@ -460,6 +504,11 @@ class OnlineThroughputModel:
         self._thr: list[float] = []  # each sample's samples_per_s, kept with `_rows`
         self._pp: list[float | None] = []  # the prior's prediction of each sample (None: not yet), kept with `samples`
         self._pp_for: list[Sample] | None = None
+        # `_rows` with each sample's samples/s and weight as rows [lo:hi) of one float array (`_columns`): appended
+        # to in place, so a refit does not convert 200 tuples to an array; mirrors the `_rows` list `_mat_for`
+        self._mat = np.empty((0, 8))
+        self._lo = self._hi = 0
+        self._mat_for: list[tuple] | None = None
         self.model: ThroughputModel | None = prior
         self.status = "prior" if prior is not None else "no model"
         self._since = 0
@@ -480,11 +529,15 @@ class OnlineThroughputModel:
             return False  # a stalled interval (restart, pending) says nothing about throughput
         in_step = self._counted is self.samples and self._counted_n == len(self.samples)
         pp_in_step = self._pp_for is self.samples and len(self._pp) == len(self.samples)
+        mat_in_step = pp_in_step and self._mat_for is self._rows and self._hi - self._lo == len(self._rows)
         self.samples.append(sample)
         if pp_in_step:
             self._pp.append(None)
-            self._rows.append(row_values(sample.allocation))
+            row = row_values(sample.allocation)
+            self._rows.append(row)
             self._thr.append(sample.samples_per_s)
+            if mat_in_step:
+                self._push_row((*row, sample.samples_per_s, sample.weight))
         if in_step:
             k = _config_key(sample.allocation)
             self._configs[k] = self._configs.get(k, 0) + 1
@@ -495,6 +548,9 @@ class OnlineThroughputModel:
                 self._pp = self._pp[-self.max_samples:]
                 self._rows = self._rows[-self.max_samples:]
                 self._thr = self._thr[-self.max_samples:]
+                if mat_in_step:
+                    self._lo = self._hi - len(self._rows)
+                    self._mat_for = self._rows
             for d in dropped if in_step else ():
                 k = _config_key(d.allocation)
                 self._configs[k] -= 1
@@ -509,6 +565,32 @@ class OnlineThroughputModel:
             self._since = 0
             return self.refit()
         return False
+
+    def _push_row(self, row: tuple) -> None:
+        if self._hi == len(self._mat):  # full: move the window to the front, or grow
+            n = self._hi - self._lo
+            if 2 * n > len(self._mat):
+                mat = np.empty((max(16, 2 * len(self._mat)), 8))
+                mat[:n] = self._mat[self._lo:self._hi]
+                self._mat = mat
+            else:
+                self._mat[:n] = self._mat[self._lo:self._hi].copy()
+            self._lo, self._hi = 0, n
+        self._mat[self._hi] = row
+        self._hi += 1
+
+    def _columns(self) -> np.ndarray:
+        """(samples, 8): each sample's `row_values`, samples/s and weight (rebuilt when `samples` changed outside)."""
+        rows = self._sample_rows()
+        n = len(rows)
+        if self._mat_for is not rows or self._hi - self._lo != n:
+            self._mat = np.empty((max(16, 2 * n, 2 * self.max_samples), 8))
+            if n:
+                self._mat[:n, :6] = np.array(rows, dtype=float).reshape(-1, 6)
+                self._mat[:n, 6] = self._thr
+                self._mat[:n, 7] = [s.weight for s in self.samples]
+            self._lo, self._hi, self._mat_for = 0, n, rows
+        return self._mat[self._lo:self._hi]
 
     def _prior_predictions(self) -> list[float]:
         """The prior's samples/s at each sample's allocation: computed once per sample (the prior does not change),
@@ -548,9 +630,16 @@ class OnlineThroughputModel:
                                          meta={"source": "prior scaled"})
             self.status = f"prior scaled by {1 / k:.3f} ({self.distinct_configs} configuration(s) seen)"
             return True
-        self.model = fit(self.samples, self.terms, prior=self.prior,
-                         prior_strength=self.prior_strength if self.prior is not None else 0.0,
-                         rows=self._sample_rows())
+        strength = self.prior_strength if self.prior is not None else 0.0
+        m = self._columns() if self.samples else None
+        if m is None:
+            self.model = fit(self.samples, self.terms, prior=self.prior, prior_strength=strength)
+        else:  # `fit` on the kept columns (the same arrays' values, in the same arithmetic)
+            thr = m[:, 6]
+            _fit_checks(self.samples, self.terms, self.prior, strength,
+                        thr_ok=bool((thr > 0).all() and np.isfinite(thr).all()))
+            v = {"w": m[:, 0], "c": m[:, 1], "b": m[:, 2], "p": m[:, 3], "cp": m[:, 4], "host": m[:, 5]}
+            self.model = _fit_columns(v, thr, m[:, 7], self.terms, self.prior, strength, 5, ())
         self.status = f"fitted on {len(self.samples)} samples / {self.distinct_configs} configurations"
         return True
 
