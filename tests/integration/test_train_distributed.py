@@ -153,7 +153,7 @@ TABLE_CAP = 20_000
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def job(tmp_path_factory, mlflow_db):
     from recforge.config import ModelConfig, ResourceConfig, TrainConfig, dataset_preset
     from recforge.data.generator import generate_days
     from recforge.data.ingest import ingest
@@ -165,7 +165,7 @@ def job(tmp_path_factory):
     from recforge.tracking.store import TrackingStore
 
     root = tmp_path_factory.mktemp("train_job")
-    store = TrackingStore(tracking_uri=f"sqlite:///{root / 'mlflow.db'}", artifact_root=root / "artifacts")
+    store = TrackingStore(tracking_uri=mlflow_db(root / "mlflow.db"), artifact_root=root / "artifacts")
     run_id = store.stage_run("recforge-train-test", "run-1", "train")
     ds = dataset_preset("criteo_kaggle")
     report = generate_days(ds, root / "raw", days=2, rows_per_day=ROWS_PER_DAY, seed=11)

@@ -16,9 +16,9 @@ NAME = "trusted-model"
 
 
 @pytest.fixture(scope="module")
-def registered(tmp_path_factory):
+def registered(tmp_path_factory, mlflow_db):
     d = tmp_path_factory.mktemp("mlflow")
-    store = TrackingStore(f"sqlite:///{d / 'mlflow.db'}", d / "artifacts")
+    store = TrackingStore(mlflow_db(d / "mlflow.db"), d / "artifacts")
     registry = ModelRegistry(store, NAME)
     run_id = store.stage_run("exp", "day1", "publish")
     torch.manual_seed(0)

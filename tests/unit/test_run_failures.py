@@ -30,13 +30,13 @@ from recforge.tracking.store import (
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
+def home(tmp_path_factory, mlflow_db):
     """One $RECFORGE_HOME and MLflow SQLite store for the module (a new store costs seconds of migrations); each
     test uses run keys and experiments of its own."""
     home = tmp_path_factory.mktemp("home")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RECFORGE_HOME", str(home))
-        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow' / 'mlflow.db'}")
+        mp.setenv("MLFLOW_TRACKING_URI", mlflow_db(home / "mlflow" / "mlflow.db"))
         mp.setenv("RECFORGE_MLFLOW_ARTIFACTS", str(home / "mlflow" / "artifacts"))
         yield home
 

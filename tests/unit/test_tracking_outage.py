@@ -28,11 +28,11 @@ def test_an_unreachable_server_fails_after_the_bound_naming_server_and_call(monk
     assert unreachable(err.value.__cause__)
 
 
-def test_an_answered_error_is_raised_at_once_not_waited_for(monkeypatch, tmp_path):
+def test_an_answered_error_is_raised_at_once_not_waited_for(monkeypatch, tmp_path, mlflow_db):
     from recforge.tracking.store import TrackingStore
 
     monkeypatch.setenv(WAIT_ENV, "3600")  # would hang the test if an answered error were retried
-    store = TrackingStore(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    store = TrackingStore(mlflow_db(tmp_path / "mlflow.db"), tmp_path / "artifacts")
     with pytest.raises(MlflowException) as err:
         store.client.get_run("f" * 32)
     assert not isinstance(err.value, TrackingUnavailable) and not unreachable(err.value)

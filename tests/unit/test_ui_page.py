@@ -197,9 +197,9 @@ def _running_run(home, store: TrackingStore) -> dict:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
+def site(tmp_path_factory, mlflow_db):
     home = tmp_path_factory.mktemp("ui_home")
-    store = TrackingStore(f"sqlite:///{home / 'mlflow' / 'mlflow.db'}", home / "mlflow" / "artifacts")
+    store = TrackingStore(mlflow_db(home / "mlflow" / "mlflow.db"), home / "mlflow" / "artifacts")
     ids = {PARTIAL: _partial_run(home, store), COMPLETE: _complete_run(home, store),
            CORUN: _corun_run(home, store), INLINE: _inline_run(home, store), FAILED: _failed_run(home, store),
            RUNNING: _running_run(home, store)}

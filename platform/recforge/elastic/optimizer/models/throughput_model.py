@@ -29,7 +29,7 @@ def _nnls_core() -> Callable | None:
     has it with that signature and it gives the public function's answer; None otherwise (the public one is used).
     `fit` calls NNLS six times per refit on arrays it built itself, so the wrapper's checks were a third of it."""
     try:
-        from scipy.optimize._slsqplib import nnls as core
+        from scipy.optimize._slsqplib import nnls as core  # lazy: private scipy module, may be absent (then None)
         a, b = np.array([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]), np.array([2.0, 1.0, -1.0])
         x, rnorm, info = core(a, b, 6)
         px, prnorm = nnls(a, b, maxiter=6)
