@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 SERVICES = REPO / "scripts" / "services.sh"
 DAG_ID = "recforge_daily"
 # tiny Params: a whole run in a few minutes on 2 cores
-TINY = {"rows_per_day": 3000, "batch_size": 256, "table_cap": 5000, "workers": 2}
+# compile_backend export: these runs test the platform, not RECom's C++ build (the browser run keeps the default)
+TINY = {"rows_per_day": 3000, "batch_size": 256, "table_cap": 5000, "workers": 2, "compile_backend": "export"}
 
 
 def running(pid: int) -> bool:

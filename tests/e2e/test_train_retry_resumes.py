@@ -31,7 +31,8 @@ pytestmark = pytest.mark.slow
 # ~190 steps per epoch at 2 x 16 rows: long enough to kill after the step-20 checkpoint, short enough to be cheap
 # source_uri None: synthetic days of rows_per_day rows (not the landing zone's smaller days)
 CONF = {"rows_per_day": 6000, "batch_size": 16, "table_cap": 5000, "workers": 2, "checkpoint_every_steps": 20,
-        "resources_policy": "static", "preprocessing": "inline", "source_uri": None}
+        "resources_policy": "static", "preprocessing": "inline", "source_uri": None,
+        "compile_backend": "export"}  # the subject is training's retry, not RECom's C++ build
 
 
 def _checkpointed(work) -> bool:

@@ -53,6 +53,9 @@ def test_csv_click_log_runs_the_daily_pipeline_with_the_derived_plan(recforge_ho
     assert sum(out["train"].samples_trained) == 195
     assert 0.0 <= out["evaluate"].auc <= 1.0 and out["evaluate"].rows == 195
     assert out["compile"].report.within_tolerance
+    report = out["compile"].report  # the default backend: AOTInductor where a C++ toolchain builds it
+    assert report.model_extra["requested_backend"] == "auto" and report.backend in ("aoti", "export"), report
+    assert (report.backend == "export") == ("backend_fallback" in report.model_extra), report
     assert out["publish"].version
 
 

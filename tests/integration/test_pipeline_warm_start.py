@@ -19,7 +19,8 @@ CONF = {"rows_per_day": 3000, "rows_per_shard": 1500, "seed": 5, "table_cap": 50
         "train": {"batch_size": 64, "log_every": 5, "batches_per_task": 4},
         "model": {"embedding_dim": 8, "dense_arch": [16, 8], "over_arch": [16, 1]},
         "resources": {"workers": 1, "policy": "static"},
-        "checkpoint": {"every_steps": 0, "flash": False}}
+        "checkpoint": {"every_steps": 0, "flash": False},
+        "compile_backend": "export"}  # the subject is warm start, not RECom's C++ build
 DAY = 739_000  # data_day of day 1; day 2 is the next calendar day
 
 
@@ -40,6 +41,8 @@ def test_second_day_warm_starts_from_the_champion_and_is_no_worse_than_scratch(r
     published = first["publish"]
     assert published.promoted and "no champion yet" in published.reason and published.champion_auc is None
     v1 = published.version
+    report = first["compile"].report  # what ran is recorded: the requested backend, no fallback
+    assert (report.backend, report.model_extra["requested_backend"]) == ("export", "export"), report
 
     # day 2, scheduled: 'auto' warm-starts from the champion (same schema, plan, model, optimizer)
     day2 = RunContext.create("scheduled__day2", CONF, home=recforge_home, data_day=DAY + 1, run_type="scheduled")

@@ -54,8 +54,8 @@ def test_user_schema_roles_and_views(tmp_path):
     assert ds.dense_names == ["price", "visits"] and ds.dense[0].dtype == "float" and ds.dense[1].dtype == "int"
     assert ds.sparse_names == ["site_id", "banner_pos", "tags"]
     assert isinstance(ds.sparse[2], MultiHotFeature) and ds.sparse[2].multi_hot and ds.sparse[2].max_length == 5
-    assert ds.sparse[1].cardinality is None and ds.sparse[1].table_rows(1000) == 1000
-    assert ds.sparse[0].table_rows(1000) == 1000 and ds.sparse[0].table_rows(10**6) == 5000
+    assert ds.sparse[1].cardinality is None and ds.sparse[1].table_rows(1000, 1) == 1000
+    assert ds.sparse[0].table_rows(1000, 1) == 1000 and ds.sparse[0].table_rows(10**6, 1) == 5000
     assert ds.timestamp is not None and ds.timestamp.name == "hour"
     assert ds.field_names[0] == "id" and ds.num_fields == 8 and not ds.is_criteo_layout
     # round trip through JSON (the manifest stores the dataset)

@@ -55,6 +55,20 @@ def test_compile_report_fields():
     assert rep["heldout_rows"] == 100 and rep["within_tolerance"] and rep["max_abs_diff"] <= 1e-5
     assert rep["latency"]["batch_size"] == 32 and rep["latency"]["threads"] == 1
     assert rep["speedup"] == pytest.approx(rep["eager_median_ms"] / rep["compiled_median_ms"])
+    assert rep["backend"] == rep["requested_backend"] == "export" and "backend_fallback" not in rep
+
+
+def test_compile_report_records_a_fallback_from_auto():
+    """No C++ compiler: 'auto' runs the exported graph, and the report says what was asked, what ran and why."""
+    import torch._inductor.config as inductor_config
+
+    ds = small_dataset()
+    eager = build_inference("dlrm", dataset=ds)
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/bin/c++",)}), pytest.warns(UserWarning, match="AOTInd"):
+        compiled = recom.compile(eager, raw_batch(ds, 16, seed=0), backend="auto")
+    rep = compile_report(eager, compiled, raw_batch(ds, 32, seed=1), batch_size=16, repeats=2, warmup=1, threads=1)
+    assert (rep["requested_backend"], rep["backend"]) == ("auto", "export") and rep["within_tolerance"]
+    assert rep["backend_fallback"], rep
 
 
 def test_compile_report_strict_raises_on_mismatch():

@@ -87,9 +87,10 @@ class SparseFeature(StrictModel):
     def multi_hot(self) -> bool:
         return False
 
-    def table_rows(self, table_cap: int, headroom: int = 1) -> int:
+    def table_rows(self, table_cap: int, headroom: int) -> int:
         """Rows of this column's hashed table: min(cardinality x headroom, table_cap), table_cap when the
-        cardinality is unknown. Hashing n values into n rows makes ~63% of them share a row (docs/data.md)."""
+        cardinality is unknown. Hashing n values into n rows makes ~63% of them share a row (docs/data.md). No
+        default: the schema plan passes HASH_HEADROOM, RAP's plans 1 (as published)."""
         if headroom < 1:
             raise ValueError(f"column {self.name!r}: hash headroom must be >= 1, got {headroom}")
         return min(self.cardinality * headroom, table_cap) if self.cardinality is not None else table_cap

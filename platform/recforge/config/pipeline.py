@@ -170,6 +170,11 @@ class PipelineConfig(StrictModel):
         "inline: each worker preprocesses a batch right before its step; corun: RAP, batch "
         "i+1's fused kernels run inside step i's stages (recforge.rap); offline: the train task preprocesses the "
         "whole training data first, then trains from it")
+    compile_backend: Literal["auto", "export", "inductor", "aoti"] = Field(
+        "auto", description="RECom's backend for the compiled model's dense net (recforge.recom.compile): auto, "
+        "AOTInductor (a C++ build, ~1-4 min on 2 cores; the fastest at serving) falling back to the exported graph "
+        "where it cannot build; export, the exported graph run as captured (no build); inductor, torch.compile; "
+        "aoti, AOTInductor or fail. The embedding columns are fused by RECom under every backend")
     corun: CorunConfig = Field(default_factory=CorunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)

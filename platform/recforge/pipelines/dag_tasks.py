@@ -63,6 +63,7 @@ PARAM_FIELDS: dict[str, tuple[str, ...]] = {
     "corun_mapping": ("corun", "mapping"),
     "preprocess_executor": ("preprocess_executor",),
     "preprocess_plan": ("preprocess_plan",),
+    "compile_backend": ("compile_backend",),
     "checkpoint_every_steps": ("checkpoint", "every_steps"),
     "checkpoint_flash": ("checkpoint", "flash"),
     "champion_margin": ("champion_margin",),

@@ -87,7 +87,9 @@ def compile_report(eager: Callable[..., torch.Tensor], compiled: CompiledModel, 
         eager_lat = measure_latency(eager, batch, repeats=repeats, warmup=warmup)
         compiled_lat = measure_latency(compiled, batch, repeats=repeats, warmup=warmup)
     return {
-        "backend": compiled.backend,
+        "backend": compiled.backend,  # what runs; the requested one and why it differs, when it does:
+        "requested_backend": meta.get("requested_backend", compiled.backend),
+        **({"backend_fallback": meta["backend_fallback"]} if meta.get("backend_fallback") else {}),
         "num_columns": meta.get("num_columns", len(cols) if cols else None),
         "num_tables": meta.get("num_tables", len({c.table for c in cols}) if cols else None),
         "ops_eager": meta.get("ops_before"),

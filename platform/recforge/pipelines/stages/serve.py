@@ -68,7 +68,7 @@ def compile_model(ctx: RunContext) -> CompileOutputs:
         eager = InferenceModule(PreprocessModule(plan, ctx.config.dataset()), model).eval()
         lists = eager.preprocess.list_columns  # multi-hot columns: a jagged input (docs/recom.md#multi-hot-columns)
         example = _holdout_inputs(ctx, 256, lists)
-        compiled = recom.compile(eager.lowered(), example)
+        compiled = recom.compile(eager.lowered(), example, backend=ctx.config.compile_backend)
         check_inputs = _holdout_inputs(ctx, 2048, lists)
         report = CompileReport.model_validate(compile_report(eager, compiled, check_inputs))
         path = w.tmp / "inference.pt2"

@@ -210,7 +210,7 @@ def criteo_plan(dataset: DatasetConfig, table_cap: int) -> Plan:
     sparse = [
         FeaturePlan(name=f.name, kind="sparse", source=f.name,
                     ops=[OpSpec(op="fill_null", params={"value": 0}),
-                         OpSpec(op="sigrid_hash", params={"salt": 0, "M": f.table_rows(table_cap)}),
+                         OpSpec(op="sigrid_hash", params={"salt": 0, "M": f.table_rows(table_cap, headroom=1)}),
                          OpSpec(op="firstx", params={"X": 1})])
         for f in dataset.sparse
     ]

@@ -10,13 +10,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from recforge.config import (
+    HASH_HEADROOM,
     DatasetConfig,
     criteo_kaggle_dataset,
     criteo_terabyte_dataset,
     rap_plan2_dataset,
     rap_plan3_dataset,
 )
-from recforge.preprocess.planning.plan import HASH_HEADROOM, Plan, criteo_plan, schema_plan
+from recforge.preprocess.planning.plan import Plan, criteo_plan, schema_plan
 
 PRESET_DIR = Path(__file__).parent
 PRESET_PLANS = ("plan0", "plan1", "plan2", "plan3")
