@@ -10,6 +10,12 @@ from its environment) twice a second; the peak and the RSS-vs-time slope go into
 
     python bench/profile_trainer.py --out platform/recforge/elastic/optimizer/models/profiles/dlrm_criteo_2core.json
 
+The cold-start MEMORY prior is profiled separately, as the daily pipeline trains (the schema plan's tables at two
+sizes, so that the fit can tell the embedding factor from the base; flash checkpoints every 100 steps):
+
+    python bench/profile_trainer.py --memory \
+        --out platform/recforge/elastic/optimizer/models/profiles/dlrm_criteo_2core_memory.json
+
 The output (JSON) is rewritten atomically after every point, so an interrupted run keeps what it measured;
 `--resume` skips the (config, repetition) pairs already in the file. It holds measurements only: a point that
 failed is reported on the console (with its error) and left out, so `--resume` measures it again.
@@ -98,7 +104,8 @@ def prepare_data(root: Path, rows: int, seed: int):
     return ds, manifest
 
 
-def run_point(root: Path, ds, manifest, plan_path: Path, tables, cfg: dict, rows: int, tag: str) -> dict:
+def run_point(root: Path, ds, manifest, plan_path: Path, tables, cfg: dict, rows: int, tag: str,
+              checkpoint_every: int = 0) -> dict:
     from recforge.config import ModelConfig, ResourceConfig, TrainConfig
     from recforge.elastic.backends.local import LocalBackend
     from recforge.elastic.job import run_training_job
@@ -115,6 +122,9 @@ def run_point(root: Path, ds, manifest, plan_path: Path, tables, cfg: dict, rows
         "train": train.model_dump(mode="json"), "checkpoint_dir": str(job_dir / "ckpt"),
         "output_dir": str(job_dir / "out"), "seed": 0,
     }
+    if checkpoint_every:  # as the pipeline trains: flash step checkpoints (shared memory, persisted by the agent)
+        spec["recovery"] = {"checkpoint_every_steps": checkpoint_every, "flash": True,
+                            "checkpoint_root": str(job_dir / "steps")}
     full = [s.rows for s in manifest.shards]
     shard_rows, left = [], rows
     for n in full:  # a prefix of the shards: rows beyond the budget get no tasks
@@ -167,7 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-s", type=float, default=20.0, help="training seconds per point (approximate)")
     ap.add_argument("--initial-rate", type=float, default=4000.0, help="samples/s guess before any measurement")
     ap.add_argument("--data-rows", type=int, default=400_000)
-    ap.add_argument("--table-cap", type=int, default=20_000)
+    ap.add_argument("--table-cap", type=int, nargs="+", default=None,
+                    help="table caps profiled (default 20000; with --memory 20000 100000)")
+    ap.add_argument("--memory", action="store_true",
+                    help="the memory prior's profile: the schema plan (hash_headroom as the pipeline's default), "
+                         "flash checkpoints every 100 steps, 1 and 2 workers x 1 thread, batch 512, table caps "
+                         "20000 and 100000 unless given")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--fit-only", action="store_true", help="no measuring: fit the model on --out and report")
@@ -175,10 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.fit_only:
         return report_fit(args.out)
 
-    from recforge.preprocess.planning.plan import criteo_plan
+    from recforge.config import HASH_HEADROOM
+    from recforge.preprocess.planning.plan import criteo_plan, schema_plan
 
-    configs = [{"workers": w, "threads_per_worker": t, "batch_size": b}
-               for w, t, b in itertools.product(args.workers, args.threads, args.batch)]
+    caps = args.table_cap or ([20_000, 100_000] if args.memory else [20_000])
+    if args.memory and args.workers == [1, 2, 3] and args.threads == [1, 2] and args.batch == [256, 512, 1024]:
+        args.workers, args.threads, args.batch = [1, 2], [1], [512]
+    checkpoint_every = 100 if args.memory else 0
+    configs = [{"workers": w, "threads_per_worker": t, "batch_size": b, "table_cap": c}
+               for w, t, b, c in itertools.product(args.workers, args.threads, args.batch, caps)]
     doc = {"points": []}
     if args.resume and args.out.exists():
         doc = json.loads(args.out.read_text())
@@ -189,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
                     "torchrec": __import__("torchrec").__version__},
         "dataset": "criteo_kaggle preset, generated (recforge.data.generate_days), ingested in shards of "
                    f"{ROWS_PER_SHARD} rows",
-        "table_cap": args.table_cap, "model": "ModelConfig() defaults (dlrm, embedding_dim 16)",
+        "table_cap": caps if len(caps) > 1 else caps[0],
+        "plan": f"schema plan, hash_headroom {HASH_HEADROOM}" if args.memory else "criteo (RAP plan 0)",
+        "checkpoints": "flash every 100 steps" if args.memory else "final only",
+        "model": "ModelConfig() defaults (dlrm, embedding_dim 16)",
         "train": "TrainConfig defaults except batch_size, batches_per_task=4, epochs=1; "
                  "sharding auto, fused embeddings",
         "target_train_s": args.target_s, "repeats": args.repeats, "order": "shuffled per repetition (seed given)",
@@ -197,31 +220,40 @@ def main(argv: list[str] | None = None) -> int:
                          "(excludes startup, model build, sharding)",
         "seed": args.seed,
     }
-    done = {(p["workers"], p["threads_per_worker"], p["batch_size"], p["rep"]) for p in doc["points"]}
+    def key_of(p: dict) -> tuple:
+        return p["workers"], p["threads_per_worker"], p["batch_size"], p.get("table_cap", caps[0])
+
+    done = {(*key_of(p), p["rep"]) for p in doc["points"]}
     rates: dict[tuple, float] = {}
     for p in doc["points"]:
-        rates[(p["workers"], p["threads_per_worker"], p["batch_size"])] = p["samples_per_s"]
+        rates[key_of(p)] = p["samples_per_s"]
 
     root = Path(tempfile.mkdtemp(prefix="recforge_profile_"))
     try:
         t0 = time.perf_counter()
         ds, manifest = prepare_data(root, args.data_rows, args.seed)
-        plan = criteo_plan(ds, args.table_cap)
-        plan.save(root / "plan.json")
+        plans = {}
+        for cap in caps:
+            plans[cap] = schema_plan(ds, cap, HASH_HEADROOM) if args.memory else criteo_plan(ds, cap)
+            plans[cap].save(root / f"plan_{cap}.json")
         print(f"data ready in {time.perf_counter() - t0:.1f}s: {manifest.total_rows} rows", flush=True)
         rng = random.Random(args.seed)
         for rep in range(args.repeats):
             order = list(configs)
             rng.shuffle(order)
             for cfg in order:
-                key = (cfg["workers"], cfg["threads_per_worker"], cfg["batch_size"])
+                key = key_of(cfg)
                 if (*key, rep) in done:
                     continue
                 rate = rates.get(key) or (statistics.median(rates.values()) if rates else args.initial_rate)
                 rows = int(min(manifest.total_rows, max(cfg["batch_size"] * cfg["workers"] * 20, rate * args.target_s)))
-                tag = f"w{key[0]}t{key[1]}b{key[2]}r{rep}"
+                if args.memory:  # every row: each job passes several step checkpoints (their copies count)
+                    rows = manifest.total_rows
+                tag = f"w{key[0]}t{key[1]}b{key[2]}c{key[3]}r{rep}"
+                cap = cfg["table_cap"]
                 try:
-                    point = run_point(root, ds, manifest, root / "plan.json", plan.tables(), cfg, rows, tag)
+                    point = run_point(root, ds, manifest, root / f"plan_{cap}.json", plans[cap].tables(), cfg, rows,
+                                      tag, checkpoint_every)
                 except Exception as e:  # keep profiling the others; the failure goes to the console, not the file
                     print(f"{tag}: failed: {e!r}", flush=True)
                     continue

@@ -9,6 +9,7 @@ import pytest
 
 from recforge.elastic.optimizer.models.memory_model import (
     DEFAULT_MEMORY_MODEL,
+    MEMORY_PROFILE,
     GiB,
     MemoryModel,
     MemorySample,
@@ -19,6 +20,7 @@ from recforge.elastic.optimizer.models.memory_model import (
     leave_one_run_out,
     local_default_memory,
     next_memory,
+    profile_memory_samples,
     samples_from_dicts,
 )
 from recforge.elastic.optimizer.models.throughput_model import ModelFitError
@@ -115,8 +117,12 @@ def test_embedding_bytes_per_rank_follows_the_sharding_plan():
 
 def test_the_committed_profile_gives_the_cold_start_memory_prior():
     m = local_default_memory()
-    assert not m.fitted and m.source.startswith("committed profile") and m.n_runs >= 10
+    assert not m.fitted and m.source.startswith(f"committed profile {MEMORY_PROFILE.name}") and m.n_runs >= 8
     assert 0 < m.loo_mape < 0.2 and 0.2 * GiB < m.base_bytes < 2 * GiB
+    # its two table sizes determine the embedding factor: measured, not the prior's 2.0
+    assert "from the prior" not in m.source and m.emb_factor > 1.0, m.source
+    peaks = profile_memory_samples(MEMORY_PROFILE)
+    assert max(s.embedding_bytes for s in peaks) > 3 * min(s.embedding_bytes for s in peaks)
 
 
 def test_oom_prediction_before_it_happens():

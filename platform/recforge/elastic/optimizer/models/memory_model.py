@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from recforge.elastic.optimizer.models.throughput_model import DEFAULT_PROFILE, ModelFitError, solve_nnls
+from recforge.elastic.optimizer.models.throughput_model import DEFAULT_PROFILE, PROFILE_DIR, ModelFitError, solve_nnls
 
 GiB = 1 << 30
 
@@ -242,19 +242,23 @@ def profile_memory_samples(path: str | Path = DEFAULT_PROFILE) -> list[MemorySam
     return out
 
 
+# The memory prior's own profile (bench/profile_trainer.py --memory): jobs trained as the daily pipeline trains
+# (schema plan, flash checkpoints) at two table sizes, so that the fit separates the embedding factor from the base.
+MEMORY_PROFILE = PROFILE_DIR / "dlrm_criteo_2core_memory.json"
 _PROFILE_MEMORY: list[MemoryModel] = []
 
 
 def local_default_memory() -> MemoryModel:
-    """The cold-start memory prior of the local trainer: fitted on the committed profile's measured peaks;
-    DEFAULT_MEMORY_MODEL (its source says why) when the profile is missing or cannot be fitted."""
+    """The cold-start memory prior of the local trainer: fitted on the measured peaks of MEMORY_PROFILE (the
+    throughput profile's when it is missing); DEFAULT_MEMORY_MODEL (its source says why) when neither fits."""
     if not _PROFILE_MEMORY:
+        path = MEMORY_PROFILE if MEMORY_PROFILE.exists() else DEFAULT_PROFILE
         try:
-            m = fit_or_prior(profile_memory_samples(), DEFAULT_MEMORY_MODEL)
-            m.source = f"committed profile {DEFAULT_PROFILE.name}: " + m.source
+            m = fit_or_prior(profile_memory_samples(path), DEFAULT_MEMORY_MODEL)
+            m.source = f"committed profile {path.name}: " + m.source
         except (OSError, ValueError, KeyError, TypeError) as e:
             m = replace(DEFAULT_MEMORY_MODEL,
-                        source=f"{DEFAULT_MEMORY_MODEL.source} (profile {DEFAULT_PROFILE.name} unusable: {e!r})")
+                        source=f"{DEFAULT_MEMORY_MODEL.source} (profile {path.name} unusable: {e!r})")
         _PROFILE_MEMORY.append(m)
     return replace(_PROFILE_MEMORY[0])
 
