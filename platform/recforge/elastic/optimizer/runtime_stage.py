@@ -18,7 +18,7 @@ from recforge.elastic.optimizer.models.memory_model import GiB, MemoryModel, Mem
 from recforge.elastic.optimizer.models.throughput_model import PS_TERMS, OnlineThroughputModel, Sample, ThroughputModel
 from recforge.elastic.optimizer.observation import Observation
 from recforge.elastic.optimizer.plans import JobDescription, JobLimits, OptimizerConfig, PodPlan
-from recforge.elastic.optimizer.search import best_moves, job_steps, plan_cost, search
+from recforge.elastic.optimizer.search import best_moves, job_steps, plan_cost, pod_memory_at, search
 
 
 class RuntimeStage:
@@ -38,10 +38,14 @@ class RuntimeStage:
         self._last_hold = ""
         self._last_refit_error = ""
         self._server_mem = MemoryTrend()
+        self._worker_mem = MemoryTrend()  # the largest worker RSS reported at each tick of the current plan
 
     def observe(self, obs: Observation) -> list[Event]:
         if obs.plan != self._plan:
             self._plan, self.samples_at_plan = obs.plan, 0
+            self._worker_mem = MemoryTrend()  # a new plan is new processes (and another shard): a new trend
+        if obs.worker_memory and obs.pending_s <= 0:
+            self._worker_mem.add(obs.step, max(obs.worker_memory))
         if obs.server_memory:
             self._server_mem.add(obs.step, max(obs.server_memory))
         if obs.samples_per_s is not None and obs.samples_per_s > 0 and obs.pending_s <= 0:
@@ -76,7 +80,7 @@ class RuntimeStage:
         """The search on `model` from the (right-sized) plan: the events of one tick past profiling and pacing."""
         allow_servers = (self.last_server_change_s is None
                          or obs.time_s - self.last_server_change_s >= self.cfg.server_interval_s)
-        start, notes = self._rightsize(obs, allow_servers) if self.cfg.rightsize else (obs.plan, [])
+        start, notes = self._rightsize(obs, allow_servers, model) if self.cfg.rightsize else (obs.plan, [])
         frozen = self._idle_groups(obs)
         first = None  # the search's first scoring; from the current plan it also explains a hold (computed once)
         try:
@@ -88,6 +92,13 @@ class RuntimeStage:
                                  frozen=frozen, first=first)
         except MODEL_ERRORS as e:  # a degenerate model must not take the job down: keep the plan
             return self._hold(f"search failed ({describe(e)}): keeping the plan", obs, action="fallback")
+        if moves and self.memory is None and plan.workers != start.workers:
+            # without a memory model the search keeps the pod memory: move it with the shard the new count holds
+            mem = pod_memory_at(start.memory_per_worker, self.job, start.workers, plan.workers,
+                                margin=self.cfg.worker_memory_margin)
+            sized = replace(plan, memory_per_worker=max(self.limits.min_memory_per_pod, mem))
+            if sized.memory_per_worker != plan.memory_per_worker and self.limits.fits(sized):
+                plan = sized
         if plan == obs.plan:
             moves, notes = [], []
         payoff = ""
@@ -156,15 +167,18 @@ class RuntimeStage:
                 out.add("add_cpu_per_server")
         return frozenset(out)
 
-    def _rightsize(self, obs: Observation, allow_servers: bool) -> tuple[PodPlan, list[str]]:
-        """DLRover's utilization rules: CPU to what the pods use (+25%) when their peak use is low; worker
-        memory to 1.5x the peak; server memory to 1.2x what the trend predicts at the end."""
+    def _rightsize(self, obs: Observation, allow_servers: bool,
+                   model: ThroughputModel | None = None) -> tuple[PodPlan, list[str]]:
+        """DLRover's utilization rules: CPU to what the pods use (+25%) when their peak use is low (taken to
+        where the rule would stop, `_worker_cpu_target`); worker memory to 1.5x the peak; server memory to 1.2x
+        what the trend predicts at the end."""
         plan, cfg, lim, notes = obs.plan, self.cfg, self.limits, []
         if obs.worker_cpu_util:
             u = max(obs.worker_cpu_util)
-            target = max(lim.min_cpu_per_worker, math.ceil(u * plan.cpu_per_worker * cfg.cpu_headroom))
+            target, steps = self._worker_cpu_target(plan, u, model)
             if u < cfg.low_util and target < plan.cpu_per_worker:
-                notes.append(f"workers use at most {u:.0%} of {plan.cpu_per_worker:g} cores: {target:g} cores each")
+                notes.append(f"workers use at most {u:.0%} of {plan.cpu_per_worker:g} cores: {target:g} cores each"
+                             + (f" (the rule applied {steps} times on the model's step times)" if steps > 1 else ""))
                 plan = replace(plan, cpu_per_worker=float(target))
         if allow_servers and plan.servers > 0 and obs.server_cpu_util:
             used = [statistics.fmean(x) for x in obs.server_cpu_util if len(x)]
@@ -174,9 +188,17 @@ class RuntimeStage:
                 notes.append(f"servers use at most {u:.0%} of {plan.cpu_per_server:g} cores: {target:g} cores each")
                 plan = replace(plan, cpu_per_server=float(target))
         if obs.worker_memory:
-            need = max(lim.min_memory_per_pod, max(obs.worker_memory) * cfg.worker_memory_margin)
+            peak = max(obs.worker_memory)
+            need = max(lim.min_memory_per_pod, peak * cfg.worker_memory_margin)
+            why = f"workers peak at {peak / GiB:.2f} GiB"
+            if len(self._worker_mem.points) >= 3 and obs.total_steps is not None:
+                # measured growth at this plan: the peak it predicts at the end x the memory margin (as servers),
+                # never below what the workers hold now x that margin
+                end = max(self._worker_mem.predicted_at(obs.total_steps), peak)
+                need = max(lim.min_memory_per_pod, end * cfg.memory_margin)
+                why = f"workers peak at {peak / GiB:.2f} GiB, {end / GiB:.2f} GiB predicted by the end"
             if plan.memory_per_worker > 1.3 * need:
-                notes.append(f"workers peak at {max(obs.worker_memory) / GiB:.2f} GiB: {need / GiB:.2f} GiB each")
+                notes.append(f"{why}: {need / GiB:.2f} GiB each")
                 plan = replace(plan, memory_per_worker=need)
         if plan.servers > 0 and obs.server_memory and len(self._server_mem.points) >= 3:
             total = obs.total_steps if obs.total_steps is not None else job_steps(self.job, plan)
@@ -186,6 +208,35 @@ class RuntimeStage:
                              f"{need / GiB:.2f} GiB each")
                 plan = replace(plan, memory_per_server=need)
         return plan, notes
+
+    def _worker_cpu_target(self, plan: PodPlan, u: float, model: ThroughputModel | None) -> tuple[float, int]:
+        """DLRover's CPU right-sizing target, ceil(used cores x 1.25), taken to its fixed point in one decision.
+        With fewer cores a worker's compute takes longer, so its utilization rises and the rule would fire again at
+        the next report, each time a checkpoint-stop-relaunch: instead the rule is applied again on the predicted
+        step time (the model's step time at the new cores, scaled to the measured one; the busy core-seconds per
+        step held constant) until the predicted utilization reaches `low_util` or the target stops falling.
+        Returns (cores per worker, how many times the rule was applied)."""
+        cfg, lim, c = self.cfg, self.limits, plan.cpu_per_worker
+        target = max(lim.min_cpu_per_worker, math.ceil(u * c * cfg.cpu_headroom))
+        if not (u < cfg.low_util and target < c) or model is None:
+            return float(target), 1
+        host = self.job.host_cores
+        thr_now = model.predict(plan.allocation(host))
+        if not (thr_now > 0 and math.isfinite(thr_now)):
+            return float(target), 1
+        busy = u * c  # cores busy per worker; step time T ~ 1 / throughput at the same workers and batch
+        steps = 1
+        for _ in range(16):
+            thr = model.predict(replace(plan, cpu_per_worker=float(target)).allocation(host))
+            if not (thr > 0 and math.isfinite(thr)):
+                break
+            busy_new = busy * thr / thr_now  # the same core-seconds per step over a longer step
+            u_new = busy_new / target
+            nxt = max(lim.min_cpu_per_worker, math.ceil(busy_new * cfg.cpu_headroom))
+            if u_new >= cfg.low_util or nxt >= target:
+                break
+            target, steps = nxt, steps + 1
+        return float(target), steps
 
     def _hold(self, reason: str, obs: Observation, action: str = "hold", prediction: dict | None = None) -> list[Event]:
         key = reason.split(":")[0] + action

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from recforge.elastic.optimizer.models.memory_model import GiB, MemoryModel, embedding_shard_bytes
-from recforge.elastic.optimizer.models.throughput_model import ThroughputModel
+from recforge.elastic.optimizer.models.throughput_model import ROW_TERMS, ThroughputModel
 from recforge.elastic.optimizer.plans import JobDescription, JobLimits, OptimizerConfig, PodPlan, ResourceLimitError
 
 
@@ -76,6 +76,20 @@ def memory_for(plan: PodPlan, job: JobDescription, mem: MemoryModel, cfg: Optimi
     need = mem.required_bytes(embedding_shard_bytes(job.table_bytes, plan.workers),
                               job_steps(job, plan) / plan.workers, cfg.memory_margin)
     return _with(plan, memory_per_worker=max(floor, need))
+
+
+def pod_memory_at(memory: float, job: JobDescription, workers_then: int, workers_now: int, *,
+                  emb_factor: float = 1.0, margin: float = 1.0) -> float:
+    """A worker pod's memory (or a measured peak, with `margin` 1) at `workers_then` workers, converted to
+    `workers_now`: the embedding shard it holds changes with the worker count (the tables are sharded over the
+    workers). A smaller shard takes off only its own bytes (the weights are resident at least once); a larger
+    one adds its growth x `emb_factor` (weights and optimizer state) x `margin`. Unchanged without tables, for a
+    parameter-server job (its workers hold no shard) or at the same count."""
+    if job.parameter_server or not job.table_bytes or workers_then == workers_now:
+        return memory
+    delta = (embedding_shard_bytes(job.table_bytes, max(workers_now, 1))
+             - embedding_shard_bytes(job.table_bytes, max(workers_then, 1)))
+    return max(memory + delta * (max(emb_factor, 1.0) * margin if delta > 0 else 1.0), 0.0)
 
 
 def _with(plan: PodPlan, **change: Any) -> PodPlan:
@@ -158,6 +172,51 @@ def search(plan: PodPlan, model: ThroughputModel, limits: JobLimits, cfg: Optimi
         else:
             break
     return plan, moves
+
+
+# the model's terms in which every core of a worker computes (the rest of a step: one core, or waiting)
+ALL_CORE_TERMS = frozenset({"b_per_cpu", "b_per_cpu_oversub"})
+ONE_CORE_TERMS = frozenset({"b", "b_oversub"})
+
+
+def predicted_worker_util(plan: PodPlan, model: ThroughputModel, host: float | None = None) -> float | None:
+    """The share of a worker's cores the model expects busy: the step time of its compute terms (all cores for
+    those that threads parallelise, one core for per-sample serial work) over the whole step time and cores.
+    None when the model has no compute term or predicts no step time."""
+    row = _row(plan, host)
+    total = busy = 0.0
+    for t, k in zip(model.terms, model.coef, strict=True):
+        v = k * ROW_TERMS[t](*row)
+        total += v
+        if t in ALL_CORE_TERMS:
+            busy += v * plan.cpu_per_worker
+        elif t in ONE_CORE_TERMS:
+            busy += v
+    if not (total > 0 and busy > 0 and math.isfinite(total)):
+        return None
+    return min(1.0, busy / (total * plan.cpu_per_worker))
+
+
+def rightsize_predicted(plan: PodPlan, model: ThroughputModel, limits: JobLimits, cfg: OptimizerConfig,
+                        host: float | None = None) -> tuple[PodPlan, float | None]:
+    """Stage 2's CPU right-sizing rule (cores = ceil(used x `cpu_headroom`) while the utilization is below
+    `low_util`) applied to the model's predicted utilization until it stops: the cores per worker stage 2
+    would right-size a new plan to once it measures it (each of its right-sizings is a relaunch). Returns the
+    plan and the predicted utilization it ends at (None: the model cannot tell; the plan is unchanged)."""
+    u = predicted_worker_util(plan, model, host)
+    for _ in range(64):
+        if u is None or u >= cfg.low_util:
+            break
+        c = plan.cpu_per_worker
+        target = max(limits.min_cpu_per_worker, float(math.ceil(u * c * cfg.cpu_headroom)))
+        if target >= c:
+            break
+        nxt = _with(plan, cpu_per_worker=target)
+        u_next = predicted_worker_util(nxt, model, host)
+        if u_next is None:
+            break
+        plan, u = nxt, u_next
+    return plan, u
 
 
 def clamp(plan: PodPlan, limits: JobLimits) -> PodPlan:

@@ -32,15 +32,35 @@ from recforge.elastic.optimizer.models.throughput_model import (
     load_profile,
 )
 from recforge.elastic.optimizer.plans import JobDescription, JobLimits, OptimizerConfig, PodPlan, ResourceLimitError
-from recforge.elastic.optimizer.search import clamp, job_steps, memory_for, search
+from recforge.elastic.optimizer.search import (
+    clamp,
+    job_steps,
+    memory_for,
+    pod_memory_at,
+    rightsize_predicted,
+    search,
+)
 
 log = logging.getLogger(__name__)
 
 
 def _memory_from_history(plan: PodPlan, records: Sequence[JobRecord], mems: Sequence[MemoryModel],
-                         cfg: OptimizerConfig, limits: JobLimits) -> PodPlan:
-    """DLRover: pod memory = the largest peak similar jobs used x margin (servers from extra["peak_server_memory"])."""
-    peaks = [r.peak_memory_bytes for r in records if r.peak_memory_bytes]
+                         cfg: OptimizerConfig, limits: JobLimits, job: JobDescription | None = None,
+                         emb_factor: float = 1.0) -> PodPlan:
+    """DLRover: pod memory = the largest peak similar jobs used x margin (servers from extra["peak_server_memory"]).
+    With the job's tables, each worker peak is first converted to this plan's worker count (`pod_memory_at`),
+    as a server's peak is to its server count: a job with more workers than the one that measured the peak
+    holds a smaller shard each."""
+    peaks = []
+    for r in records:
+        if not r.peak_memory_bytes:
+            continue
+        try:
+            then = int(r.final_plan.get("workers") or plan.workers)
+        except (TypeError, ValueError):
+            then = plan.workers
+        peaks.append(pod_memory_at(r.peak_memory_bytes, job, then, plan.workers, emb_factor=emb_factor)
+                     if job is not None else r.peak_memory_bytes)
     if peaks and not mems:
         plan = replace(plan, memory_per_worker=max(peaks) * cfg.memory_margin)
     # a server's share of the embeddings scales with 1/servers: convert each job's peak to this plan's count
@@ -220,13 +240,25 @@ def _warm_from_history(job: JobDescription, limits: JobLimits, cfg: OptimizerCon
             cpu_per_server=limits.min_cpu_per_worker if job.parameter_server else 0.0)
         start = clamp(memory_for(start, job, memory, cfg, limits.min_memory_per_pod), limits)
         plan, moves = search(start, prior, limits, cfg, job, memory if mems else None)
-        plan = _memory_from_history(plan, records, mems, cfg, limits)
+        cpu_note = ""
+        if cfg.rightsize:  # what stage 2 would right-size the plan's cores to once measured: not a relaunch later
+            sized, util = rightsize_predicted(plan, prior, limits, cfg, job.host_cores)
+            searched = plan.cpu_per_worker
+            if sized.cpu_per_worker < searched:
+                # then the search again without more cores per worker, as stage 2 searches after right-sizing
+                plan, more = search(sized, prior, limits, cfg, job, memory if mems else None,
+                                    frozen=frozenset({"add_cpu_per_worker"}))
+                cpu_note = (f"; {sized.cpu_per_worker:g} cores per worker (the search's {searched:g}) by stage 2's "
+                            f"right-sizing rule on the predicted utilization ({util:.0%}), then {len(more)} unit "
+                            "move(s) without more cores")
+                moves = moves + more
+        plan = _memory_from_history(plan, records, mems, cfg, limits, job, memory.emb_factor)
         plan = clamp(plan, limits)
         pred = prior.predict(plan.allocation(job.host_cores))
         events.append(Event("warm_start", "initial_plan",
                             f"{len(models)} similar job(s) with a fitted model: greedy search on their median "
                             f"model{refit_note} ({len(moves)} unit moves from their median final plan, stopped at "
-                            f"marginal ratio < {cfg.min_gain_ratio})",
+                            f"marginal ratio < {cfg.min_gain_ratio}){cpu_note}",
                             inputs={**inputs, "model": prior.to_dict()},
                             prediction={"samples_per_s": pred,
                                         "requested_samples_per_s": prior.predict(requested.allocation(job.host_cores))},
@@ -235,7 +267,7 @@ def _warm_from_history(job: JobDescription, limits: JobLimits, cfg: OptimizerCon
 
     median = _median_plan(requested, records, job)
     if median is not None:
-        plan = clamp(_memory_from_history(median, records, mems, cfg, limits), limits)
+        plan = clamp(_memory_from_history(median, records, mems, cfg, limits, job, memory.emb_factor), limits)
         events.append(Event("warm_start", "initial_plan",
                             f"{len(records)} similar job(s) but no usable fitted model: median of their final plans",
                             inputs=inputs, prediction={}, plan_before=job.requested.to_dict(),
