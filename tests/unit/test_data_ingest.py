@@ -161,3 +161,26 @@ def test_read_rows_across_row_groups(tmp_path):
         read_rows(out, 1, 7990, 8001)
     with pytest.raises(IndexError):
         read_rows(out, 2, 0, 1)
+
+
+def test_read_rows_keeps_no_arrow_memory_per_open_shard(tmp_path):
+    """A reader walking a day's shards (the trainer, evaluate) keeps each shard open in a cache; an open shard must
+    not hold the bytes of its last read (Parquet's pre_buffer cache did: ~3 MB per 50k-row shard, growing with the
+    day up to the cache's size)."""
+    import gc
+
+    gen = generate_days(DS, tmp_path / "raw", days=1, rows_per_day=24_000, seed=5)
+    out = tmp_path / "out"
+    m = ingest([Path(f) for f in gen.files], DS, out, rows_per_shard=10_000, max_bad_fraction=0.0)
+    assert len(m.shards) == 3
+    gc.collect()
+    base = pa.total_allocated_bytes()
+    rows = 0
+    for i, shard in enumerate(m.shards):
+        batch = read_rows(out, i, 0, shard.rows)  # every row group of the shard in one read
+        rows += batch.num_rows
+        assert batch.nbytes > 100_000  # the read itself did allocate
+        del batch
+    gc.collect()
+    assert rows == 24_000
+    assert pa.total_allocated_bytes() - base < 16 * 1024, "open shards hold arrow memory after their reads"

@@ -18,7 +18,11 @@ def _manifest(directory: str, stamp: tuple[int, int, int]) -> Manifest:
 
 class _OpenShard:
     def __init__(self, path: Path):
-        self.file = pq.ParquetFile(path)
+        # pre_buffer off: with it, the reader keeps the coalesced byte ranges of its last multi-row-group read
+        # (~3 MB per 50k-row shard) for as long as the file stays open in the cache below, so a reader walking a
+        # day's shards grew by ~3 MB per shard up to the cache's 64 files (docs/performance.md, scale). Local shard
+        # files read as fast without it.
+        self.file = pq.ParquetFile(path, pre_buffer=False)
         meta = self.file.metadata
         self.num_rows = meta.num_rows
         # first row of each row group, plus the end
