@@ -178,7 +178,9 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = lambda _: No
         "settings": {"threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                      "batch": args.batch, "rounds": args.rounds, "stream_mib": args.stream_mib,
                      "micro_values": n_micro, "micro_reps": micro_reps, "modulus": MODULUS, "seed": args.seed,
-                     "cpp_kernels": cpu_ext.status(), "march": cpu_ext.MARCH, "torch": torch.__version__},
+                     "cpp_kernels": cpu_ext.status(), "march": cpu_ext.MARCH, "torch": torch.__version__,
+                     # the widest vector ISA torch sees (AVX2 / AVX512): a native build's loops follow it
+                     "cpu_capability": torch.backends.cpu.get_cpu_capability()},
         "stream": stream, "micro_values_per_s": micro, "plans": report_plans, "goals": goals,
     }
 
@@ -189,8 +191,8 @@ def print_table(report: dict[str, Any]) -> None:
 
     m, s = report["micro_values_per_s"], report["stream"]
     con = Console()
-    con.print(f"{report['machine']['cpu_model']}, 1 thread; load {report['machine']['load_average_before']} -> "
-              f"{report['machine']['load_average_after']}")
+    con.print(f"{report['machine']['cpu_model']} ({report['settings']['cpu_capability']}), 1 thread; load "
+              f"{report['machine']['load_average_before']} -> {report['machine']['load_average_after']}")
     t = Table(title="machine limits (median; wall / CPU-time rates)")
     t.add_column("measure")
     t.add_column("wall")

@@ -8,10 +8,11 @@ it), in a folder named after a hash of the source, the flags, the torch version 
 Target: the extension is compiled where it runs (at first use), for that CPU: -march=$RECFORGE_CPU_MARCH, "native" by
 default, so every loop auto-vectorizes for the widest ISA the machine has, and the build key carries the CPU's model
 and flags, so a cache never travels to another CPU. A shared or prebuilt cache (a CI image) sets e.g.
-RECFORGE_CPU_MARCH=x86-64-v2: the hot sigrid hash + floor-mod loop still runs its AVX2 form, compiled by a target
-attribute and chosen at run time (__builtin_cpu_supports), so a portable build loses only the auto-vectorized and
-Sleef float64 loops. Set RECFORGE_NO_CPP=1 to skip the build: the fused ops then run their torch fallback. Build
-failures are logged once and fall back the same way.
+RECFORGE_CPU_MARCH=x86-64-v2: the hand-written AVX2 loops (the sigrid hash + floor-mod, the int64 -> float32 fill
+and cast, the chain kernel's tile transposes of the values, its 32-byte streaming stores) are compiled by a target
+attribute and chosen at run time (__builtin_cpu_supports), each with a scalar form, so a portable build loses only
+the auto-vectorized and Sleef float64 loops. Set RECFORGE_NO_CPP=1 to skip the build: the fused ops then run their
+torch fallback. Build failures are logged once and fall back the same way.
 """
 from __future__ import annotations
 
