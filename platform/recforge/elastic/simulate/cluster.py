@@ -1,8 +1,10 @@
 """Nodes with CPU and memory; a job's pods are placed all together (gang) first-fit, or not at all.
 
-Free capacity lives in numpy arrays: finding the nodes a pod fits on is one vectorised comparison, and
-identical pods (a job's workers) fill a node as far as it holds them before the next node is looked up,
-so placing a job costs O(nodes) in C plus O(nodes used) in Python, not O(pods x nodes) in Python.
+Free capacity lives in numpy arrays: finding the nodes a pod fits on is a vectorised comparison over
+windows of nodes in packing order (256, then doubling, until the nodes found hold the pods), and identical
+pods (a job's workers) fill a node as far as it holds them before the next node is looked up, so placing a
+job costs O(nodes scanned) in C plus O(nodes used) in Python, not O(pods x nodes) in Python, nor a scan of
+the whole cluster when the first nodes from where the last pod went have room.
 Most placements a scheduling pass tries fail; histograms of the nodes' free cores (whole cores) and free
 memory (whole GiB) bound how many pods of a shape the cluster holds in O(node size), so a placement that
 cannot succeed is refused before the O(nodes) scan (an upper bound: it never refuses one that fits).
@@ -125,21 +127,13 @@ class Cluster:
             return None
         if self.bound and not all(self._may_fit(c, m, len(ix)) for (c, m), ix in groups.items()):
             return None
-        fc, fm = self.free_cpu, self.free_mem
         taken: list[tuple[np.ndarray, float, float, np.ndarray]] = []
         where = [0] * len(pods)
         start = self._start
         for (c, m) in sorted(groups, key=lambda k: (-k[0], -k[1])):
             idx = groups[(c, m)]
-            cand = np.flatnonzero((fc >= c - 1e-9) & (fm >= m - 1e-3))
+            cand, cap = self._first_fit(c, m, len(idx), start)
             if len(cand):
-                k0 = int(np.searchsorted(cand, start))  # pack: keep filling from where the last pod went
-                cand = np.concatenate([cand[k0:], cand[:k0]])
-                cap = np.full(len(cand), len(idx), dtype=np.int64)  # how many of these pods each node holds
-                if c > 0:
-                    cap = np.minimum(cap, ((fc[cand] + 1e-9) // c).astype(np.int64))
-                if m > 0:
-                    cap = np.minimum(cap, ((fm[cand] + 1e-3) // m).astype(np.int64))
                 cum = np.cumsum(cap)
             if not len(cand) or cum[-1] < len(idx):
                 self._undo(taken)
@@ -157,6 +151,42 @@ class Cluster:
         self.free_mem_total -= tm
         return where
 
+    def _first_fit(self, c: float, m: float, n: int, start: int) -> tuple[np.ndarray, np.ndarray]:
+        """The nodes a (c cores, m bytes) pod fits on, in packing order (from `start` round to it), and how many of
+        `n` such pods each holds, far enough along that order to hold all `n` (or every such node when they
+        cannot): scanned in growing windows from `start`, not the whole cluster per placement. The nodes and
+        counts of `_first_fit_reference`, cut where the remaining ones cannot be needed."""
+        fc, fm = self.free_cpu, self.free_mem
+        total = len(fc)
+        if total <= _FIRST_WINDOW:
+            return _first_fit_reference(fc, fm, c, m, n, start)
+        cands: list[np.ndarray] = []
+        caps: list[np.ndarray] = []
+        held, size = 0, _FIRST_WINDOW
+        # the packing order as ranges: [start, total), then [0, start)
+        for lo0, hi0 in ((start, total), (0, start)):
+            lo = lo0
+            while lo < hi0 and held < n:
+                hi = min(lo + size, hi0)
+                size *= 2
+                sc, sm = fc[lo:hi], fm[lo:hi]
+                cand = np.flatnonzero((sc >= c - 1e-9) & (sm >= m - 1e-3))
+                if len(cand):
+                    cap = np.full(len(cand), n, dtype=np.int64)
+                    if c > 0:
+                        cap = np.minimum(cap, ((sc[cand] + 1e-9) // c).astype(np.int64))
+                    if m > 0:
+                        cap = np.minimum(cap, ((sm[cand] + 1e-3) // m).astype(np.int64))
+                    cands.append(cand + lo)
+                    caps.append(cap)
+                    held += int(cap.sum())
+                lo = hi
+        if not cands:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        if len(cands) == 1:
+            return cands[0], caps[0]
+        return np.concatenate(cands), np.concatenate(caps)
+
     def _undo(self, taken: list[tuple[np.ndarray, float, float, np.ndarray]]) -> None:
         for nodes, c, m, k in taken:
             self._change(nodes, c * k, m * k)
@@ -171,3 +201,23 @@ class Cluster:
         self._per_pod(pods, where, 1)
         self.free_cpu_total += sum(c for c, _ in pods)
         self.free_mem_total += sum(m for _, m in pods)
+
+
+_FIRST_WINDOW = 256  # nodes in `_first_fit`'s first window (doubled per window); a smaller cluster is one scan
+
+
+def _first_fit_reference(fc: np.ndarray, fm: np.ndarray, c: float, m: float, n: int,
+                         start: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every node a (c cores, m bytes) pod fits on, in packing order (the first at or after `start`, round to it),
+    and how many of `n` such pods each holds: one scan of the whole cluster (`Cluster._first_fit` cuts it short)."""
+    cand = np.flatnonzero((fc >= c - 1e-9) & (fm >= m - 1e-3))
+    if not len(cand):
+        return cand, np.zeros(0, dtype=np.int64)
+    k0 = int(np.searchsorted(cand, start))  # pack: keep filling from where the last pod went
+    cand = np.concatenate([cand[k0:], cand[:k0]])
+    cap = np.full(len(cand), n, dtype=np.int64)  # how many of these pods each node holds
+    if c > 0:
+        cap = np.minimum(cap, ((fc[cand] + 1e-9) // c).astype(np.int64))
+    if m > 0:
+        cap = np.minimum(cap, ((fm[cand] + 1e-3) // m).astype(np.int64))
+    return cand, cap
