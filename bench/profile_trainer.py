@@ -170,9 +170,9 @@ def run_point(root: Path, ds, manifest, plan_path: Path, tables, cfg: dict, rows
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 3])
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--batch", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--workers", type=int, nargs="+", default=None, help="default 1 2 3 (with --memory 1 2)")
+    ap.add_argument("--threads", type=int, nargs="+", default=None, help="default 1 2 (with --memory 1)")
+    ap.add_argument("--batch", type=int, nargs="+", default=None, help="default 256 512 1024 (with --memory 512)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--target-s", type=float, default=20.0, help="training seconds per point (approximate)")
     ap.add_argument("--initial-rate", type=float, default=4000.0, help="samples/s guess before any measurement")
@@ -194,11 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     from recforge.preprocess.planning.plan import criteo_plan, schema_plan
 
     caps = args.table_cap or ([20_000, 100_000] if args.memory else [20_000])
-    if args.memory and args.workers == [1, 2, 3] and args.threads == [1, 2] and args.batch == [256, 512, 1024]:
-        args.workers, args.threads, args.batch = [1, 2], [1], [512]
+    workers = args.workers or ([1, 2] if args.memory else [1, 2, 3])
+    threads = args.threads or ([1] if args.memory else [1, 2])
+    batches = args.batch or ([512] if args.memory else [256, 512, 1024])
     checkpoint_every = 100 if args.memory else 0
     configs = [{"workers": w, "threads_per_worker": t, "batch_size": b, "table_cap": c}
-               for w, t, b, c in itertools.product(args.workers, args.threads, args.batch, caps)]
+               for w, t, b, c in itertools.product(workers, threads, batches, caps)]
     doc = {"points": []}
     if args.resume and args.out.exists():
         doc = json.loads(args.out.read_text())
@@ -246,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                 if (*key, rep) in done:
                     continue
                 rate = rates.get(key) or (statistics.median(rates.values()) if rates else args.initial_rate)
-                rows = int(min(manifest.total_rows, max(cfg["batch_size"] * cfg["workers"] * 20, rate * args.target_s)))
-                if args.memory:  # every row: each job passes several step checkpoints (their copies count)
-                    rows = manifest.total_rows
+                # --memory: every row, so each job passes several step checkpoints (their copies count)
+                rows = manifest.total_rows if args.memory else int(
+                    min(manifest.total_rows, max(cfg["batch_size"] * cfg["workers"] * 20, rate * args.target_s)))
                 tag = f"w{key[0]}t{key[1]}b{key[2]}c{key[3]}r{rep}"
                 cap = cfg["table_cap"]
                 try:
