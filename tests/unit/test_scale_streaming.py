@@ -2,15 +2,22 @@
 stream_metrics against recforge.train.metrics.evaluate (which holds every logit) on a small manifest."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from sklearn.metrics import roc_auc_score
 
 from recforge.config import DatasetConfig, DenseFeature, ModelConfig, SparseFeature
+from recforge.data import shards
 from recforge.data.binned_auc import StreamingAuc
 from recforge.data.generator import generate_days
 from recforge.data.ingest import ingest
+from recforge.data.manifest import Manifest
+from recforge.data.shards import iter_shard, open_manifest, read_rows
 from recforge.pipelines.stages.evaluate import stream_metrics
 from recforge.preprocess.executor import TorchExecutor
 from recforge.preprocess.planning.plan import criteo_plan
@@ -92,3 +99,32 @@ def test_stream_metrics_fail_on_non_finite_logits_naming_the_row(scored):
     with pytest.raises(NonFiniteMetricsError, match=r"not finite on \d+ of \d+ rows of shard part-00000.parquet .*"
                                                     r"first: row \d+"):
         stream_metrics(poisoned, ex, data, batch_size=512)
+
+
+def test_iter_shard_walks_every_row_in_order_and_leaves_no_file_open(scored):
+    data = scored[0]
+    manifest = open_manifest(data)
+    shards._open.cache_clear()
+    for i, shard in enumerate(manifest.shards):
+        whole = read_rows(data, i, 0, shard.rows)
+        slabs = list(iter_shard(data, i, 256))
+        assert all(0 < s.num_rows <= 256 for s in slabs)
+        assert pa.Table.from_batches(slabs).combine_chunks().to_batches()[0].equals(whole)
+    shards._open.cache_clear()
+    stream_metrics(scored[1], scored[2], data, batch_size=97, slab_rows=300)
+    assert shards._open.cache_info().currsize == 0  # the one-pass walk does not fill read_rows' open-file cache
+    with pytest.raises(ValueError, match="slab_rows must be >= 1"):
+        next(iter_shard(data, 0, 0))
+
+
+def test_stream_metrics_refuse_a_shard_shorter_than_its_manifest(scored, tmp_path):
+    data, model, ex, _ = scored
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    manifest = Manifest.load(copy)
+    first = copy / manifest.shards[0].path
+    table = pq.read_table(first)
+    pq.write_table(table.slice(0, table.num_rows - 5), first)  # truncated after ingest
+    with pytest.raises(ValueError, match=rf"shard {manifest.shards[0].path} of .* holds {table.num_rows - 5} rows, "
+                                         rf"its manifest says {table.num_rows}"):
+        stream_metrics(model, ex, copy, batch_size=512)

@@ -93,14 +93,16 @@ def score_champion(ctx: RunContext, store: Any,
 def stream_metrics(model: Any, executor: Any, manifest_dir: str | Path, batch_size: int = BATCH_SIZE,
                    slab_rows: int = SLAB_ROWS) -> dict[str, float]:
     """{auc, logloss, ne, rows, auc_error_bound} of `model` (logits out) on every row of the manifest, read
-    `slab_rows` at a time (recforge.data.shards.read_rows) and scored `batch_size` rows at a time: memory does not
-    grow with the day. logloss and NE are summed exactly; the AUC comes from recforge.data.binned_auc.StreamingAuc
-    (within auc_error_bound of the rank AUC). NonFiniteMetricsError on a NaN/inf logit (naming the row)."""
+    `slab_rows` at a time (recforge.data.shards.iter_shard: each shard opened for its walk only) and scored
+    `batch_size` rows at a time: memory does not grow with the day. logloss and NE are summed exactly; the AUC
+    comes from recforge.data.binned_auc.StreamingAuc (within auc_error_bound of the rank AUC).
+    NonFiniteMetricsError on a NaN/inf logit (naming the row); ValueError on a shard whose rows differ from its
+    manifest."""
     import numpy as np  # lazy: numpy off the UI/CLI import path
     import torch  # lazy: torch off the UI/CLI import path
 
     from recforge.data.binned_auc import StreamingAuc  # lazy: numpy off the UI/CLI import path
-    from recforge.data.shards import open_manifest, read_rows  # lazy: pyarrow off the UI/CLI import path
+    from recforge.data.shards import iter_shard, open_manifest  # lazy: pyarrow off the UI/CLI import path
     from recforge.preprocess.batch import RawBatch  # lazy: torch off the UI/CLI import path
     from recforge.train.loop.batches import slice_raw  # lazy: torch off the UI/CLI import path
     from recforge.train.metrics import NonFiniteMetricsError  # lazy: torch off the UI/CLI import path
@@ -117,9 +119,9 @@ def stream_metrics(model: Any, executor: Any, manifest_dir: str | Path, batch_si
     try:
         with torch.no_grad():
             for i, shard in enumerate(manifest.shards):
-                for lo in range(0, shard.rows, slab_rows):
-                    slab = RawBatch.from_arrow(read_rows(manifest_dir, i, lo, min(lo + slab_rows, shard.rows)),
-                                               manifest.dataset)
+                lo = 0
+                for record_batch in iter_shard(manifest_dir, i, slab_rows):
+                    slab = RawBatch.from_arrow(record_batch, manifest.dataset)
                     for start in range(0, slab.rows, batch_size):
                         raw = slice_raw(slab, start, min(start + batch_size, slab.rows))
                         z = model(*executor(raw)).reshape(-1).double().cpu().numpy()
@@ -138,6 +140,10 @@ def stream_metrics(model: Any, executor: Any, manifest_dir: str | Path, batch_si
                         scored.update(y, 1.0 / (1.0 + np.exp(-z)))
                         rows += y.size
                         positives += int(y.sum())
+                    lo += slab.rows
+                if lo != shard.rows:
+                    raise ValueError(f"shard {shard.path} of {manifest_dir} holds {lo} rows, its manifest says "
+                                     f"{shard.rows}: the shard was changed after ingest")
     finally:
         model.train(was_training)
     if rows == 0:
