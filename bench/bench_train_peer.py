@@ -1,8 +1,9 @@
 """recforge's train task against TorchRec's reference training loop, side by side (`recforge bench train_peer`).
 
-  recforge   the real training job: run_training_job (torchrun, the job master leasing data-shard tasks, the lineage
-             ledger, events, flash step checkpoints every CheckpointConfig().every_steps steps), the default
-             (schema) plan run by the fused executor inline, over the ingested Parquet shards
+  recforge   the real training job (its default step loop, over PrefetchBatches): run_training_job (torchrun, the job
+             master leasing data-shard tasks, the lineage ledger, events, flash step checkpoints every
+             CheckpointConfig().every_steps steps), the default (schema) plan run by the fused executor inline, over
+             the ingested Parquet shards
   reference  bench/train_peer/reference.py: our re-implementation of torchrec_dlrm's loop (DMP over the same DLRM and
              planner constraints, the embedding optimizer in backward, TrainPipelineSparseDist) over the same rows,
              preprocessed before timing with its standard transform (log(x + 3), id mod table size)
@@ -21,6 +22,7 @@ recforge.train.metrics.evaluate; the reference: its sharded model).
     python bench/bench_train_peer.py                     # 2.4M rows, 2 ranks x 1 thread, batch 512, 3 rounds
     python bench/bench_train_peer.py --rows 200000 --rounds 1
     python bench/bench_train_peer.py --rows 200000 --sides recforge,recforge_sync   # also without prefetching
+    python bench/bench_train_peer.py --rows 200000 --sides recforge,recforge_pipelined  # TorchRec's pipeline on
 
 Writes bench/results/bench_train_peer.json (temp + rename) and prints a table. A configuration the machine cannot
 hold (more ranks x threads than cores, data beyond the memory available) is refused before anything runs.
@@ -45,7 +47,11 @@ from _results import cpu_model, write_report  # bench/_results.py (bench/ is the
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS_PER_SHARD = 50_000
-SIDES = ("recforge", "reference", "recforge_sync")
+SIDES = ("recforge", "reference", "recforge_sync", "recforge_pipelined")
+# env of recforge's sides (JOB_ENV's variables are cleared first): recforge_pipelined turns on TorchRec's input-dist
+# pipeline in the step loop (recforge.train.loop.pipelined; off by default)
+SIDE_ENV = {"recforge_pipelined": {"RECFORGE_TRAIN_PIPELINE": "1"}}
+JOB_ENV = ("RECFORGE_STEP_PHASES", "RECFORGE_TRAIN_PREFETCH", "RECFORGE_TRAIN_PIPELINE")
 REFERENCE_BYTES_PER_ROW = 1200  # measured order: raw + preprocessed + batched copies, per process holding the rows
 
 
@@ -124,11 +130,12 @@ def reference_rows(root: Path, ds, plan, train_manifest, eval_manifest) -> Path:
 
 
 def run_recforge(root: Path, ds, plan, train_manifest, *, workers: int, threads: int, batch: int, seed: int,
-                 tag: str, prefetch: int | None = None) -> dict[str, Any]:
+                 tag: str, prefetch: int | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
     """One real training job over every training row; samples/s from the worker's result, AUC on the held-out day.
     `prefetch`: the spec's train.prefetch_steps (0: the synchronous loop), env RECFORGE_TRAIN_PREFETCH cleared for
     the job; None: TrainConfig's default, which that env var overrides where set. The depth reported is the one the
-    workers ran (their result)."""
+    workers ran (their result). `env`: variables set for the job (SIDE_ENV; RECFORGE_TRAIN_PIPELINE=1: the step loop
+    with TorchRec's input-dist pipeline, recforge.train.loop.pipelined); the others of JOB_ENV are cleared."""
     from recforge.config import ModelConfig, ResourceConfig, TrainConfig
     from recforge.config.pipeline import CheckpointConfig
     from recforge.elastic.backends.local import LocalBackend
@@ -154,10 +161,11 @@ def run_recforge(root: Path, ds, plan, train_manifest, *, workers: int, threads:
                               events_file=job / "events.jsonl"),
     )
     resources = ResourceConfig(policy="static", workers=workers, threads_per_worker=threads, max_restarts=0)
-    saved_env = {k: os.environ.get(k) for k in ("RECFORGE_STEP_PHASES", "RECFORGE_TRAIN_PREFETCH")}
-    os.environ["RECFORGE_STEP_PHASES"] = str(phases_dir)
-    if prefetch is not None:  # the spec decides
-        os.environ.pop("RECFORGE_TRAIN_PREFETCH", None)
+    saved_env = {k: os.environ.get(k) for k in JOB_ENV}
+    for k in JOB_ENV[1:]:
+        if k != "RECFORGE_TRAIN_PREFETCH" or prefetch is not None:  # a given depth: the spec decides
+            os.environ.pop(k, None)
+    os.environ.update({"RECFORGE_STEP_PHASES": str(phases_dir), **(env or {})})
     t0 = time.perf_counter()
     try:
         result = run_training_job(spec, [s.rows for s in train_manifest.shards], resources=resources,
@@ -182,7 +190,7 @@ def run_recforge(root: Path, ds, plan, train_manifest, *, workers: int, threads:
            "sharding_plan": worker["sharding_plan"], "phases": phases,
            "checkpoints": sum(e["event"] == "checkpoint" for e in events),
            "checkpoint_stall_s": sum(float(e.get("stall_s") or 0.0) for e in events if e["event"] == "checkpoint"),
-           "prefetch_depth": worker.get("prefetch_steps")}
+           "prefetch_depth": worker.get("prefetch_steps"), "env": env or {}}
     shutil.rmtree(job, ignore_errors=True)
     return out
 
@@ -221,6 +229,9 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         out["auc_difference"] = a["heldout_auc"] - b["heldout_auc"]
     if "recforge" in sides and "recforge_sync" in sides:
         out["ratio_prefetch_vs_sync"] = sides["recforge"]["samples_per_s"] / sides["recforge_sync"]["samples_per_s"]
+    if "recforge" in sides and "recforge_pipelined" in sides:
+        out["ratio_pipelined_vs_not"] = (sides["recforge_pipelined"]["samples_per_s"]
+                                         / sides["recforge"]["samples_per_s"])
     return out
 
 
@@ -237,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sides", default="recforge,reference",
                     help="comma list of recforge, reference, recforge_sync (recforge's loop without prefetching: "
-                         "train.prefetch_steps=0, the before/after comparison)")
+                         "train.prefetch_steps=0), recforge_pipelined (recforge with TorchRec's input-dist pipeline "
+                         "in its step loop: RECFORGE_TRAIN_PIPELINE=1)")
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_train_peer.json")
     args = ap.parse_args(argv)
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
@@ -279,13 +291,14 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.rounds):
                 rnd: dict[str, Any] = {"round": i, "loadavg_before": os.getloadavg()}
                 for side in sides:
-                    if side in ("recforge", "recforge_sync"):
+                    if side.startswith("recforge"):
                         rnd[side] = run_recforge(root, ds, plan, train_m, workers=args.workers, threads=args.threads,
                                                  batch=args.batch, seed=args.seed, tag=f"{side}{i}",
-                                                 prefetch=0 if side == "recforge_sync" else None)
+                                                 prefetch=0 if side == "recforge_sync" else None,
+                                                 env=SIDE_ENV.get(side))
                     else:
                         assert data_path is not None
-                        ours = rnd.get("recforge") or rnd.get("recforge_sync")  # its plan, if it ran first
+                        ours = next((rnd[s] for s in SIDES if s.startswith("recforge") and s in rnd), None)  # its plan
                         pinned = ({t: v["sharding_type"] for t, v in ours["sharding_plan"].items()}
                                   if ours else None)
                         rnd[side] = reference.run(data_path, model=ModelConfig(),
@@ -323,6 +336,9 @@ def print_table(report: dict[str, Any]) -> None:
               f"{report['auc_difference']:+.4f}; same sharding plan: {report.get('same_sharding_plan')}")
     if "ratio_prefetch_vs_sync" in report:
         print(f"recforge prefetching / synchronous loop: {report['ratio_prefetch_vs_sync']:.3f}x samples/s")
+    if "ratio_pipelined_vs_not" in report:
+        print(f"recforge pipelined / not pipelined: {report['ratio_pipelined_vs_not']:.3f}x samples/s")
+
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The train task runs the prefetch depth the trigger form set (train.prefetch_steps) and records what ran: the
-worker result's prefetch_steps and the train run's MLflow tag, the env override's value where that is set."""
+worker result's prefetch_steps and the train run's MLflow tag, the env override's value where that is set; likewise
+train.sparse_dist_pipeline (TorchRec's TrainPipelineSparseDist in the step loop)."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ CONF = {"rows_per_day": 1200, "rows_per_shard": 600, "seed": 3, "table_cap": 500
         "resources": {"workers": 1, "policy": "static"}, "checkpoint": {"every_steps": 0, "flash": False}}
 
 
-def _train(home, key: str, prefetch_steps: int):
+def _train(home, key: str, prefetch_steps: int, sparse_dist_pipeline: bool = False):
     from recforge.pipelines.context import RunContext
     from recforge.pipelines.stages.data import generate, ingest
     from recforge.pipelines.stages.plan import plan_resources
@@ -20,7 +21,8 @@ def _train(home, key: str, prefetch_steps: int):
     from recforge.train.result import WorkerResult
 
     ctx = RunContext.create(key, {**CONF, "train": {"batch_size": 128, "log_every": 2, "batches_per_task": 2,
-                                                    "prefetch_steps": prefetch_steps}}, home=home)
+                                                    "prefetch_steps": prefetch_steps,
+                                                    "sparse_dist_pipeline": sparse_dist_pipeline}}, home=home)
     generate(ctx)
     ingest(ctx)
     plan_resources(ctx)
@@ -35,8 +37,13 @@ def test_the_configured_depth_runs_and_the_override_is_what_is_recorded(recforge
     sync, worker, data = _train(recforge_home, "sync", 0)
     assert worker.prefetch_steps == 0 and sync.steps == 10  # 1200 rows in batches of 128
     assert (data.params["train.prefetch_steps"], data.tags["prefetch_steps"]) == ("0", "0")
+    assert worker.sparse_dist_pipeline is False and data.tags["sparse_dist_pipeline"] == "false"
 
     monkeypatch.setenv("RECFORGE_TRAIN_PREFETCH", "1")  # the workers' override: what ran, not what was configured
-    ahead, worker, data = _train(recforge_home, "ahead", 3)
+    monkeypatch.delenv("RECFORGE_TRAIN_PIPELINE", raising=False)
+    ahead, worker, data = _train(recforge_home, "ahead", 3, sparse_dist_pipeline=True)
     assert worker.prefetch_steps == 1 and ahead.steps == sync.steps
     assert (data.params["train.prefetch_steps"], data.tags["prefetch_steps"]) == ("3", "1")
+    # the trigger form's sparse_dist_pipeline ran TorchRec's TrainPipelineSparseDist over the prefetched steps
+    assert worker.sparse_dist_pipeline is True and data.tags["sparse_dist_pipeline"] == "true"
+    assert data.params["train.sparse_dist_pipeline"] == "True"

@@ -106,3 +106,20 @@ def test_a_rescaled_retry_logs_its_shape_without_failing(recforge_home):
     data = store.client.get_run(run_id).data
     assert (data.params["world_size"], data.params["steps"], data.params["batch_size"]) == ("1", "3", "32")
     assert (data.tags["world_size"], data.tags["steps"], data.tags["batch_size"]) == ("2", "5", "32")
+
+
+def test_the_sparse_dist_pipeline_param_reaches_the_worker_and_the_env_overrides_it(tmp_path, monkeypatch):
+    from recforge.worker.trainer import sparse_dist_pipeline
+
+    monkeypatch.delenv("RECFORGE_TRAIN_PIPELINE", raising=False)
+    assert default_params()["sparse_dist_pipeline"]["default"] is False
+    assert sparse_dist_pipeline(_spec(PipelineConfig(), tmp_path), rank=0) is False
+    on = _spec(PipelineConfig.model_validate(config_from_params({"sparse_dist_pipeline": True})), tmp_path)
+    assert on.train.sparse_dist_pipeline and sparse_dist_pipeline(on, rank=0) is True
+    monkeypatch.setenv("RECFORGE_TRAIN_PIPELINE", "0")
+    assert sparse_dist_pipeline(on, rank=0) is False
+    monkeypatch.setenv("RECFORGE_TRAIN_PIPELINE", "maybe")
+    with pytest.raises(ValueError, match="RECFORGE_TRAIN_PIPELINE='maybe'"):
+        sparse_dist_pipeline(on, rank=0)
+    with pytest.raises(ParamError, match="sparse_dist_pipeline"):
+        config_from_params({"sparse_dist_pipeline": "yes please"})

@@ -46,6 +46,10 @@ class TrainConfig(StrictModel):
     prefetch_steps: int = Field(
         2, ge=0, description="steps each rank prepares ahead on a thread (lease, read, preprocess); 0 = synchronous "
         "loop; unused with preprocessing corun (RAP's source reads ahead itself)")
+    sparse_dist_pipeline: bool = Field(
+        False, description="overlap each step's sparse input all-to-all with the previous step (TorchRec's "
+        "TrainPipelineSparseDist); applies with prefetch_steps >= 1, one micro-batch per step and no RAP co-run. Off: "
+        "on the 2-core CPU benchmark its own CPU per step outweighed the wait it hides (docs/performance.md)")
     log_every: int = Field(20, ge=1)
     sharding: Literal["auto", "table_wise", "column_wise", "data_parallel"] = "auto"
     fused_embeddings: bool = Field(True, description="FBGEMM TBE with the optimizer applied in backward")

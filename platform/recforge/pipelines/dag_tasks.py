@@ -54,6 +54,7 @@ PARAM_FIELDS: dict[str, tuple[str, ...]] = {
     "dense_optimizer": ("train", "dense_optimizer"),
     "dense_lr": ("train", "dense_lr"),
     "prefetch_steps": ("train", "prefetch_steps"),
+    "sparse_dist_pipeline": ("train", "sparse_dist_pipeline"),
     "workers": ("resources", "workers"),
     "threads_per_worker": ("resources", "threads_per_worker"),
     "resources_policy": ("resources", "policy"),

@@ -96,6 +96,9 @@ class WorkerResult(_Record):
     prefetch_steps: int | None = Field(
         None, ge=0, description="steps each rank prepared ahead on the prefetch thread as run: train.prefetch_steps, "
         "or env RECFORGE_TRAIN_PREFETCH; 0: the synchronous loop (RAP co-run always); None: not recorded")
+    sparse_dist_pipeline: bool | None = Field(
+        None, description="whether the step loop ran TorchRec's TrainPipelineSparseDist (train.sparse_dist_pipeline "
+        "or env RECFORGE_TRAIN_PIPELINE, where it applies); None: not recorded")
 
     def save(self, output_dir: str | Path) -> Path:
         """Write `output_dir`/result.json atomically (temp file + rename)."""

@@ -29,8 +29,16 @@ from recforge.preprocess.planning.plan import Plan
 from recforge.train.loop.accumulate import train_epoch_accumulated
 from recforge.train.loop.batches import empty
 from recforge.train.loop.ledger import Ledger
+from recforge.train.loop.pipelined import PIPELINE_ENV, pipeline_override
 from recforge.train.loop.prefetch import PrefetchBatches
-from recforge.train.loop.step_loop import EpochStats, Heartbeat, LoopState, PhaseTimes, train_epoch
+from recforge.train.loop.step_loop import (
+    EpochStats,
+    Heartbeat,
+    LoopState,
+    PhaseTimes,
+    pipeline_applies,
+    train_epoch,
+)
 from recforge.train.loop.window import GroupStop, WindowHook
 from recforge.train.metrics_sink import AsyncMetricsSink, LogFn
 from recforge.train.model import build_dlrm
@@ -75,6 +83,17 @@ def prefetch_depth(spec: WorkerSpec, corun: bool) -> int:
     if depth != spec.train.prefetch_steps:
         log.warning("%s=%d overrides train.prefetch_steps=%d", PREFETCH_ENV, depth, spec.train.prefetch_steps)
     return depth
+
+
+def sparse_dist_pipeline(spec: WorkerSpec, rank: int) -> bool:
+    """Whether to run the pipelined step loop where it applies: spec.train.sparse_dist_pipeline, or env
+    RECFORGE_TRAIN_PIPELINE where set."""
+    override = pipeline_override()
+    if override is None:
+        return spec.train.sparse_dist_pipeline
+    if override != spec.train.sparse_dist_pipeline and rank == 0:
+        log.warning("%s overrides train.sparse_dist_pipeline=%s", PIPELINE_ENV, spec.train.sparse_dist_pipeline)
+    return override
 
 
 def tracking_log_fn() -> LogFn | None:
@@ -224,6 +243,8 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
     if depth:
         sys.setswitchinterval(PREFETCH_SWITCH_INTERVAL_S)
     phases = PhaseTimes() if os.environ.get(PHASES_ENV) else None
+    pipeline_wanted = sparse_dist_pipeline(spec, rank)
+    ran_pipelined = False
     ran_before = executed_paths.mark()  # the executor path is counted over the training batches only
     t_train = events.t_train = time.perf_counter()
     try:
@@ -238,8 +259,13 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
             common: dict[str, Any] = dict(epoch=epoch, world_size=world_size, log_every=spec.train.log_every,
                                           heartbeat=heartbeat, sink=sink, rank=rank, resume=resume, on_window=hook,
                                           phases=phases)
+            pipelined = pipeline_wanted and pipeline_applies(sharded, source, accumulation)
+            if pipeline_wanted and not pipelined and rank == 0:
+                log.warning("train.sparse_dist_pipeline is on but does not apply to epoch %d (it needs prefetch_steps "
+                            ">= 1, one micro-batch per step and no RAP co-run): the plain step loop runs", epoch)
+            ran_pipelined = ran_pipelined or pipelined
             if accumulation == 1:
-                train_epoch(sharded, source, zero_batch, state, **common)
+                train_epoch(sharded, source, zero_batch, state, pipelined=pipelined, **common)
             else:
                 train_epoch_accumulated(sharded, source, zero_batch, state, accumulation=accumulation, **common)
     except GroupStop as stop:
@@ -309,6 +335,7 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
         executor=ExecutedPreprocessing.model_validate(executed),
         peak_rss_bytes=peak_rss,
         prefetch_steps=depth,
+        sparse_dist_pipeline=ran_pipelined,
     )
     out = Path(spec.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,10 +10,13 @@ against-torchrecs-reference-loop.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -81,7 +84,11 @@ class PrefetchBatches:
         self._stopping = False
         self._error: BaseException | None = None
         self._handed: dict[str, int] = {}
-        self.thread_s = {"build": 0.0, "report": 0.0}  # the thread's seconds building steps / reporting trained
+        # defer_progress(): the progress of steps handed out but not trained yet, oldest first
+        self._deferred: collections.deque[dict[str, int]] | None = None
+        # the thread's wall seconds building steps / reporting trained, and its CPU seconds in all
+        self.thread_s = {"build": 0.0, "report": 0.0, "cpu": 0.0}
+        self._work = threading.Lock()  # held by the thread while it reads and preprocesses (see paused)
 
     # ---- trainer side ---------------------------------------------------------------------
     def next_step(self) -> Step | None:
@@ -105,8 +112,22 @@ class PrefetchBatches:
         self._inbox.put(("taken", None))
         last = next((b for b in reversed(item.micro) if b is not None), None)
         if last is not None:
-            self._handed = dict(item.progress)
+            if self._deferred is None:
+                self._handed = dict(item.progress)
+            else:
+                self._deferred.append(dict(item.progress))
         return item
+
+    def defer_progress(self) -> None:
+        """Count a step's rows in `progress()` only once it was trained (`trained` for its batch), not when it is
+        handed out: for a loop that holds steps in flight (recforge.train.loop.pipelined), where a checkpoint taken
+        between steps must not claim the rows of steps handed out but not trained yet. Accumulation 1 only; call
+        before the first step."""
+        if self.accumulation != 1:
+            raise RuntimeError(f"PrefetchBatches.defer_progress: accumulation {self.accumulation}; only 1 is supported")
+        if self._taken:
+            raise RuntimeError("PrefetchBatches.defer_progress: steps were already handed out")
+        self._deferred = collections.deque()
 
     def next(self) -> Batch | None:
         """One batch (accumulation 1 only): the TaskBatches interface over next_step."""
@@ -117,6 +138,11 @@ class PrefetchBatches:
 
     def trained(self, batch: Batch) -> None:
         """The trainer trained `batch`: its ledger record and done report are made on the thread, in order."""
+        if self._deferred is not None:  # one batch per step: this is the oldest step handed out
+            if not self._deferred:
+                raise RuntimeError(f"PrefetchBatches.trained: batch {batch.task_id} rows [{batch.row_start}, "
+                                   f"{batch.row_end}) was not handed out, or was reported trained twice")
+            self._handed = self._deferred.popleft()
         if batch.last_of_task and batch.task_id is not None:
             self._handed.pop(batch.task_id, None)
         if self._thread is None:
@@ -142,6 +168,18 @@ class PrefetchBatches:
         state a checkpoint stores (rows read ahead are not in it; the master hands them out again on restore)."""
         self.flush()
         return dict(self._handed)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold the thread between batches (it may still all_reduce a built step's counts or report trained ones):
+        torch.fx patches nn.Module calls process-wide while it traces a model (the pipelined loop's first step), and a
+        module run by the preprocessing on this thread meanwhile would be recorded into, and fail, that trace."""
+        if not self._work.acquire(timeout=self.timeout_s):
+            raise TimeoutError(f"PrefetchBatches: the reading thread did not pause within {self.timeout_s}s")
+        try:
+            yield
+        finally:
+            self._work.release()
 
     @property
     def tasks_done(self) -> int:
@@ -182,6 +220,13 @@ class PrefetchBatches:
         return self._ended or self._produced - self._taken_seen >= self.depth
 
     def _run(self) -> None:
+        c0 = time.thread_time()
+        try:
+            self._loop()
+        finally:
+            self.thread_s["cpu"] += time.thread_time() - c0
+
+    def _loop(self) -> None:
         try:
             while True:
                 while True:  # everything queued so far, without blocking
@@ -225,9 +270,10 @@ class PrefetchBatches:
 
     def _build(self) -> Step | None:
         micro: list[Batch | None] = []
-        for _ in range(self.accumulation):  # none asked for after the source ran dry
-            micro.append(self.source.next() if not micro or micro[-1] is not None else None)
-        progress = self.source.progress()
+        with self._work:
+            for _ in range(self.accumulation):  # none asked for after the source ran dry
+                micro.append(self.source.next() if not micro or micro[-1] is not None else None)
+            progress = self.source.progress()
         real = sum(b.real for b in micro if b is not None)
         counts = torch.tensor([1.0 if micro[0] is not None else 0.0, float(real)], dtype=torch.float64)
         if self.world_size > 1:

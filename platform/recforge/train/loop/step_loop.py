@@ -4,7 +4,9 @@ Per step one all_reduce of [has_data, real_rows] decides whether the epoch goes 
 has data) and gives the global weight for the loss (recforge.train.loop.loss). A rank without data trains
 a fully zero-weight batch, so TorchRec's all-to-alls always see equal batch sizes. A source with `next_step`
 (recforge.train.loop.prefetch.PrefetchBatches) hands out whole steps with those counts already all-reduced on its
-thread, so the loop does not block on them.
+thread, so the loop does not block on them. Over such a source (accumulation 1) the loop can also run TorchRec's
+TrainPipelineSparseDist (recforge.train.loop.pipelined: each step's sparse input dist overlapped with the previous
+step; train.sparse_dist_pipeline, off by default).
 """
 from __future__ import annotations
 
@@ -16,24 +18,27 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
+from torchrec.distributed.model_parallel import DistributedModelParallel
 
 from recforge.train.loop.batches import Batch, TaskBatches
 from recforge.train.loop.loss import step_loss
+from recforge.train.loop.pipelined import StepPipeline, step_iterator
 from recforge.train.loop.prefetch import PrefetchBatches
 from recforge.train.metrics import auc, logloss, normalized_entropy
 from recforge.train.sharding import ShardedModel
 
 log = logging.getLogger(__name__)
 
-PHASES = ("data", "forward", "backward", "optimizer", "coordination")
+PHASES = ("data", "input_dist", "forward", "backward", "optimizer", "coordination")
 
 
 class PhaseTimes:
     """Seconds a rank's step loop spent per phase (wall clock, CPU: every op is synchronous): data (waiting for
-    the step's batches and global counts), forward, backward, optimizer, coordination (done reports, heartbeats,
-    window metrics, the window hook). TorchRec's all-to-alls run inside forward / backward, DDP's all_reduce in
-    backward. Also the loop thread's CPU seconds per phase (`time.thread_time`): wall minus CPU is time spent
-    waiting (for the other ranks in a collective, or for a core)."""
+    the step's batches and global counts), input_dist (pipelined loop only: starting / finishing the next step's
+    sparse input dist, zero_grad), forward, backward, optimizer, coordination (done reports, heartbeats, window
+    metrics, the window hook). TorchRec's all-to-alls run inside forward / backward (the input one in input_dist when
+    pipelined), DDP's all_reduce in backward. Also the loop thread's CPU seconds per phase (`time.thread_time`): wall
+    minus CPU is time spent waiting (for the other ranks in a collective, or for a core)."""
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
@@ -133,6 +138,13 @@ class WindowMetrics:
                 "train_ne": normalized_entropy(labels, logits)}
 
 
+def pipeline_applies(sharded: ShardedModel, source: object, accumulation: int) -> bool:
+    """Whether train_epoch can run the pipelined loop: a PrefetchBatches source (steps and their global counts built
+    ahead), no gradient accumulation, a DistributedModelParallel model."""
+    return (isinstance(source, PrefetchBatches) and accumulation == 1
+            and isinstance(sharded.model, DistributedModelParallel))
+
+
 def train_epoch(
     sharded: ShardedModel,
     source: TaskBatches | PrefetchBatches,
@@ -149,88 +161,120 @@ def train_epoch(
     on_window: Callable[[LoopState, EpochStats], None] | None = None,
     accumulation: int = 1,
     phases: PhaseTimes | None = None,
+    pipelined: bool = False,
 ) -> EpochStats:
     """`resume`: the counters of this epoch restored from a checkpoint. `on_window(state, stats)` runs
     on every rank at each logging-window boundary, when `stats` is exact (checkpoints happen there).
     `accumulation`: micro-batches per optimizer step (recforge.train.loop.accumulate explains the > 1 case).
-    `phases`: where to add the loop's time per phase (PhaseTimes), for profiling."""
+    `phases`: where to add the loop's time per phase (PhaseTimes), for profiling.
+    `pipelined`: overlap each step's sparse input dist with the previous step (recforge.train.loop.pipelined:
+    TorchRec's TrainPipelineSparseDist); only over a PrefetchBatches source with accumulation 1 and a DMP model
+    (`pipeline_applies`)."""
     if accumulation < 1:
         raise ValueError(f"accumulation must be >= 1, got {accumulation}")
     model, opt = sharded.model, sharded.optimizer
+    if pipelined and not pipeline_applies(sharded, source, accumulation):
+        raise ValueError("pipelined=True needs a PrefetchBatches source, accumulation 1 and a DistributedModelParallel "
+                         f"model (got {type(source).__name__}, accumulation {accumulation}, {type(model).__name__})")
     model.train()
     stats = resume if resume is not None else EpochStats(epoch=epoch)
-    t0 = win_t0 = time.perf_counter()
-    win_loss, win_samples = 0.0, 0
+    t0 = time.perf_counter()
+    win: dict[str, float] = {"t0": t0, "loss": 0.0, "samples": 0.0}
     window = WindowMetrics()
     tag = f" (x{accumulation} micro-batches)" if accumulation > 1 else ""
-    next_step = source.next_step if isinstance(source, PrefetchBatches) else None  # steps built ahead
     pt = phases if phases is not None else PhaseTimes()
-    pt.restart()
-    while True:
-        if next_step is not None:
-            step = next_step()
-            if step is None:
-                break
-            micro, g_real, real = step.micro, step.g_real, step.real
-            if len(micro) != accumulation:
-                raise ValueError(f"the source's steps have {len(micro)} micro-batches, the loop {accumulation}")
-        else:
-            micro = []
-            for _ in range(accumulation):  # a step's micro-batches; none asked for after the source ran dry
-                micro.append(source.next() if not micro or micro[-1] is not None else None)
-            real = sum(b.real for b in micro if b is not None)
-            g_has, g_real = _all_reduce([1.0 if micro[0] is not None else 0.0, float(real)])
-            if g_has == 0:
-                break
-        pt.mark("data")
-        for b in micro:
-            mb = b if b is not None else empty_batch
-            logits = model(mb.dense, mb.sparse)
-            loss, local_sum = step_loss(logits, mb.labels, mb.weights, g_real, world_size)
-            window.add(logits, mb.labels, mb.weights)
-            pt.mark("forward")
-            loss.backward()
-            win_loss += float(local_sum)
-            pt.mark("backward")
-        opt.step()
-        opt.zero_grad()
-        pt.mark("optimizer")
-        for b in micro:
+
+    def after_step(trained: list[Batch | None], real: int) -> None:
+        """Everything after a step's optimizer update: done reports, counters, heartbeat, the window."""
+        for b in trained:
             if b is not None:
                 source.trained(b)
         state.step += 1
         stats.steps += 1
         pt.steps += 1
-        win_samples += real
+        win["samples"] += real
         if heartbeat is not None:
             heartbeat.maybe(state.step)
         if state.step % log_every == 0:
-            g_loss, g_samples = _all_reduce([win_loss, float(win_samples)])
+            g_loss, g_samples = _all_reduce([win["loss"], float(win["samples"])])
             quality = window.gather(world_size, rank)
             now = time.perf_counter()
             state.last_window_loss = g_loss / max(g_samples, 1.0)
             stats.loss_sum += g_loss
             stats.samples += int(g_samples)
             if rank == 0:
-                sps = g_samples / max(now - win_t0, 1e-9)
+                sps = g_samples / max(now - win["t0"], 1e-9)
                 log.info("epoch %d step %d%s: train loss %.5f, %.0f samples/s", epoch, state.step, tag,
                          state.last_window_loss, sps)
                 if sink is not None:
                     sink({"train_loss": state.last_window_loss, "samples_per_s": sps, **quality}, state.step)
-            win_t0, win_loss, win_samples = now, 0.0, 0
+            win.update(t0=now, loss=0.0, samples=0)
             if on_window is not None:
                 on_window(state, stats)
         pt.mark("coordination")
+
+    pt.restart()
+    if pipelined:
+        assert isinstance(source, PrefetchBatches) and isinstance(model, DistributedModelParallel)
+        source.defer_progress()  # steps in flight are not trained: a checkpoint must not count their rows
+        if rank == 0:
+            log.info("epoch %d: pipelined step loop (TorchRec TrainPipelineSparseDist over prefetched steps)", epoch)
+        pipe = StepPipeline(model, opt, world_size=world_size, mark=pt.mark, quiet=source.paused)
+        steps = step_iterator(source.next_step, empty_batch, pt.mark)
+        try:
+            while True:
+                try:
+                    logits, local_sum, done = pipe.progress(steps)
+                except StopIteration:
+                    break
+                window.add(logits, done.labels, done.weights)
+                win["loss"] += float(local_sum)
+                after_step([done.batch], done.real)
+        finally:
+            pipe.detach()  # the sharded EBC's own forward back (evaluation, the probe, the next epoch)
+            model.train()
+    else:
+        next_step = source.next_step if isinstance(source, PrefetchBatches) else None  # steps built ahead
+        while True:
+            if next_step is not None:
+                step = next_step()
+                if step is None:
+                    break
+                micro, g_real, real = step.micro, step.g_real, step.real
+                if len(micro) != accumulation:
+                    raise ValueError(f"the source's steps have {len(micro)} micro-batches, the loop {accumulation}")
+            else:
+                micro = []
+                for _ in range(accumulation):  # a step's micro-batches; none asked for after the source ran dry
+                    micro.append(source.next() if not micro or micro[-1] is not None else None)
+                real = sum(b.real for b in micro if b is not None)
+                g_has, g_real = _all_reduce([1.0 if micro[0] is not None else 0.0, float(real)])
+                if g_has == 0:
+                    break
+            pt.mark("data")
+            for b in micro:
+                mb = b if b is not None else empty_batch
+                logits = model(mb.dense, mb.sparse)
+                loss, local_sum = step_loss(logits, mb.labels, mb.weights, g_real, world_size)
+                window.add(logits, mb.labels, mb.weights)
+                pt.mark("forward")
+                loss.backward()
+                win["loss"] += float(local_sum)
+                pt.mark("backward")
+            opt.step()
+            opt.zero_grad()
+            pt.mark("optimizer")
+            after_step(micro, real)
     if isinstance(source, PrefetchBatches):  # the epoch's done reports sent, the thread stopped: tasks_done is exact
         source.close()
-    g_loss, g_samples = _all_reduce([win_loss, float(win_samples)])
+    g_loss, g_samples = _all_reduce([win["loss"], float(win["samples"])])
     if g_samples:
         state.last_window_loss = g_loss / g_samples
         # the trailing part-window is logged too, so the curve ends at the last step (and a job shorter than
         # log_every steps still has one point); every rank takes this branch (g_samples is all-reduced)
         quality = window.gather(world_size, rank)
         if rank == 0 and sink is not None:
-            sps = g_samples / max(time.perf_counter() - win_t0, 1e-9)
+            sps = g_samples / max(time.perf_counter() - win["t0"], 1e-9)
             sink({"train_loss": state.last_window_loss, "samples_per_s": sps, **quality}, state.step)
     stats.loss_sum += g_loss
     stats.samples += int(g_samples)
