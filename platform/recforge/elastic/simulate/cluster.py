@@ -13,6 +13,7 @@ free capacity changes (`version`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,8 +63,27 @@ class Cluster:
         """Take `nodes` (distinct) out of the bucket histograms (sign -1) or put them back (+1)."""
         self.version += 1
         if self.bound:
+            if len(nodes) <= _FEW_NODES and self._hist_few(nodes, sign):
+                return
             self._hc += sign * np.bincount(self._bc(self.free_cpu[nodes]), minlength=self._kc)
             self._hm += sign * np.bincount(self._bm(self.free_mem[nodes]), minlength=self._km)
+
+    def _hist_few(self, nodes, sign: int) -> bool:
+        """`_hist`'s update for a few nodes (a job's pods sit on one to a few) in python: `_bc` / `_bm`'s buckets by
+        the same float arithmetic (ceil of the same differences / quotients, clamped), without ~20 numpy calls.
+        False (nothing changed) when a value is not finite: the numpy path decides those."""
+        try:
+            kc, km = self._kc - 1, self._km - 1
+            bc = [min(max(math.ceil(f - 1e-7), 0), kc) for f in self.free_cpu[nodes].tolist()]
+            bm = [min(max(math.ceil((f - 1e-3) / GiB), 0), km) for f in self.free_mem[nodes].tolist()]
+        except (OverflowError, ValueError):  # inf / nan
+            return False
+        hc, hm = self._hc, self._hm
+        for b in bc:
+            hc[b] += sign
+        for b in bm:
+            hm[b] += sign
+        return True
 
     def _change(self, nodes, dc, dm) -> None:
         """free[nodes] += (dc, dm) for distinct nodes, keeping the bucket histograms in step."""
@@ -109,13 +129,18 @@ class Cluster:
     def fits_at_all(self, pods: list[tuple[float, float]]) -> bool:
         return all(c <= self.spec.cpu_per_node and m <= self.spec.memory_per_node for c, m in pods)
 
+    def refuses(self, c: float, m: float, n: int) -> bool:
+        """True when `place` refuses `n` identical pods of (c cores, m bytes) before looking for nodes (more than
+        the free totals, or more than the bucket bound holds): `place([(c, m)] * n)` is then None, nothing taken."""
+        return (c * n > self.free_cpu_total + 1e-6 or m * n > self.free_mem_total + 1.0
+                or (self.bound and not self._may_fit(c, m, n)))
+
     def place(self, pods: list[tuple[float, float]]) -> list[int] | None:
         """Node index per pod (largest pods first), or None (and nothing taken) when they do not all fit."""
         groups: dict[tuple[float, float], list[int]] = {}
         if pods and pods.count(pods[0]) == len(pods):  # a workers-only job: one shape (list.count runs in C)
             (c0, m0), n0 = pods[0], len(pods)
-            if (c0 * n0 > self.free_cpu_total + 1e-6 or m0 * n0 > self.free_mem_total + 1.0
-                    or (self.bound and not self._may_fit(c0, m0, n0))):
+            if self.refuses(c0, m0, n0):
                 return None  # (the checks below, without building the groups: most placements tried fail here)
             groups[pods[0]] = list(range(len(pods)))
         else:
@@ -203,6 +228,7 @@ class Cluster:
         self.free_mem_total += sum(m for _, m in pods)
 
 
+_FEW_NODES = 12  # `_hist` updates at most this many nodes in python (`_hist_few`), more with numpy
 _FIRST_WINDOW = 256  # nodes in `_first_fit`'s first window (doubled per window); a smaller cluster is one scan
 
 

@@ -100,6 +100,8 @@ class Simulation:
         self.n_ended = 0                          # jobs done or failed (the run ends when all have)
         self.live: dict[int, None] = {}           # jobs arrived and not ended, in arrival order
         self.events = 0
+        self.every_event = False  # True: `_set_rate` pushes every event the reference did, stale ones included
+        self.full_reports = False  # True: a `rate_only` policy gets the full Observation (`on_tick`) as before
 
     # ---- event queue ----------------------------------------------------------------------
     def push(self, t: float, kind: int, key: int, version: int = 0) -> None:
@@ -205,18 +207,20 @@ class Simulation:
     def _set_rate(self, r: JobRun, t: float) -> None:
         """Recompute the job's rate and (re)schedule its finish / OOM events."""
         r.version += 1
-        rate, cpu, mem, _ = self._truth(r)
+        rate, cpu, mem, need = self._truth(r)
         if t < r.resume_at:
             r.rate, r.used_cpu, r.used_mem = 0.0, 0.1 * r.plan.cpu_total, 0.3 * mem
             self.push(r.resume_at, RESUME, r.job.job_id, r.version)
             return
         r.rate, r.used_cpu, r.used_mem = rate, cpu, mem
         j, p = r.job, r.plan
-        if self._worker_oom(r):
+        # (`_worker_oom`: for a TorchRec job its memory need is `_truth`'s last value, the same formula on the same
+        # numbers)
+        if (need > p.memory_per_worker) if j.shape == "torchrec" else (j.worker_mem > p.memory_per_worker):
             self.push(t + 60.0, OOM, j.job_id, r.version)  # dies as soon as it loads its first batches
             return
         left = j.total_samples - r.done
-        self.push(t + left / rate if rate > 0 else math.inf, FINISH, j.job_id, r.version)
+        t_finish = t + left / rate if rate > 0 else math.inf
         if j.shape == "torchrec":  # the most loaded worker's shard grows until it passes the pod's memory
             g = j.emb_growth_per_sample * truth.SHARD_SKEW / p.workers
             room = p.memory_per_worker - truth.tr_worker_memory(j.worker_mem, j.emb_bytes, p.workers)
@@ -224,10 +228,24 @@ class Simulation:
         else:
             oom_at = truth.samples_until_server_oom(j.emb_bytes, j.emb_growth_per_sample, p.servers, j.hot_server,
                                                     p.memory_per_server)
-        if oom_at < j.total_samples:
-            self.push(t + max(oom_at - r.done, 0.0) / rate, OOM, j.job_id, r.version)
+        t_oom = t + max(oom_at - r.done, 0.0) / rate if oom_at < j.total_samples else None
         next_tick = t + self.params.tick_s
-        self.push(next_tick, TICK, j.job_id, r.version)
+        if self.every_event:  # the reference: all three (the later ones are skipped as stale when they pop)
+            self.push(t_finish, FINISH, j.job_id, r.version)
+            if t_oom is not None:
+                self.push(t_oom, OOM, j.job_id, r.version)
+            self.push(next_tick, TICK, j.job_id, r.version)
+            return
+        # only the first of them (in (time, push order) order) can run: each of the three ends the job or bumps its
+        # version, which makes the others stale. The rest were most of the heap (a finish pushed per tick, popped
+        # and skipped hours later); leaving them out keeps every other event's relative order (sequence numbers
+        # only break ties, and they stay in push order)
+        first, kind = t_finish, FINISH
+        if t_oom is not None and t_oom < first:
+            first, kind = t_oom, OOM
+        if next_tick < first:
+            first, kind = next_tick, TICK
+        self.push(first, kind, j.job_id, r.version)
 
     def _worker_oom(self, r: JobRun) -> bool:
         j, p = r.job, r.plan
@@ -287,6 +305,13 @@ class Simulation:
                            worker_memory=[min(need, p.memory_per_worker)] * min(n, 4), oom_workers=oom_w,
                            total_steps=j.total_samples / p.batch_size)
 
+    def _report_rate(self, r: JobRun, rate: float, need: float) -> None:
+        """A `rate_only` policy's report: the samples/s and largest worker memory `_observe` would report (the same
+        values), without building the Observation. `rate`, `need`: `_truth(r)`'s first and last values."""
+        j, p = r.job, r.plan
+        mem = min(need, p.memory_per_worker) if j.shape == "torchrec" else min(j.worker_mem, p.memory_per_worker)
+        self.policy.on_rate(j, p, rate * self._noise(r), mem)
+
     def _record(self, r: JobRun, events: list[Event]) -> None:
         for e in events:
             self.decisions[f"{e.stage}.{e.action}"] = self.decisions.get(f"{e.stage}.{e.action}", 0) + 1
@@ -343,14 +368,16 @@ class Simulation:
             if (p.cpu_total > cl.free_cpu_total + 1e-6 or p.cpu_per_worker > big_c + 1e-9
                     or p.memory_per_worker > big_m + 1e-3 or p.workers >= failed.get(shape, math.inf)):
                 continue
-            if self._try_start(r, t):
+            if not p.servers and cl.refuses(p.cpu_per_worker, p.memory_per_worker, p.workers):
+                pass  # `place` would refuse its workers (identical pods) at once: a miss, without building them
+            elif self._try_start(r, t):
                 self._unpend(r)
                 big_c, big_m = float(cl.free_cpu.max()), float(cl.free_mem.max())
-            else:
-                failed[shape] = min(failed.get(shape, math.inf), p.workers)
-                misses += 1
-                if misses >= self.params.max_failed_placements:
-                    break
+                continue
+            failed[shape] = min(failed.get(shape, math.inf), p.workers)
+            misses += 1
+            if misses >= self.params.max_failed_placements:
+                break
 
     def _release(self, r: JobRun) -> None:
         if r.where is not None:
@@ -443,12 +470,15 @@ class Simulation:
             r.ckpt, r.ckpt_t = r.done, t
         if j.straggler and not r.straggling and not r.straggler_fixed and r.done >= j.straggler[0] * j.total_samples:
             r.straggling = True
-        r.peak_server_mem = max(r.peak_server_mem, self._truth(r)[3])
+        now = self._truth(r)
+        r.peak_server_mem = max(r.peak_server_mem, now[3])
         if j.loss and self.policy.wants_loss:  # the training loss the job logs (1% noise)
             b0, b1, b2, _ = j.loss
             k = r.done / 1e6
             self.policy.on_loss(j, k, (1.0 / (b0 * k + b1) + b2) * (1 + 0.01 * (self._noise(r) - 1)))
-        if self.policy.observes:  # (building the report is a third of a tick; static never reads it)
+        if self.policy.observes and self.policy.rate_only and not self.full_reports:
+            self._report_rate(r, now[0], now[3])
+        elif self.policy.observes:  # (building the report is a third of a tick; static never reads it)
             events = self.policy.on_tick(j, self._observe(r, t))
             self._record(r, events)
             self._apply(r, events, t)
@@ -478,7 +508,7 @@ class Simulation:
             return False
         # an async PS job adds / removes workers while the others train; a synchronous TorchRec job reshards its
         # embeddings: checkpoint, stop, relaunch at the new plan
-        only_workers = replace(new, workers=r.plan.workers) == r.plan and r.job.shape != "torchrec"
+        only_workers = r.job.shape != "torchrec" and replace(new, workers=r.plan.workers) == r.plan
         r.pods, r.where, r.plan = pods, where, new
         self._index(r)
         r.resume_at = t + (self.params.resize_workers_s if only_workers else self.params.resize_pods_s)

@@ -39,7 +39,7 @@ from recforge.elastic.optimizer import (
     embedding_shard_bytes,
     warm_start,
 )
-from recforge.elastic.optimizer.models.throughput_model import OnlineThroughputModel
+from recforge.elastic.optimizer.models.throughput_model import Allocation, OnlineThroughputModel
 
 GiB = float(1 << 30)
 
@@ -62,12 +62,16 @@ class SimPolicy:
     interval_s: float | None = None  # a cluster-wide policy re-plans every interval_s (`allocate`)
     observes = True                  # it reads the profiler's reports (`on_tick`); static does not
     wants_loss = False               # it reads the jobs' training loss (`on_loss`)
+    rate_only = False                # it reads only a report's samples/s and worker memory (`on_rate`, not `on_tick`)
 
     def initial_plan(self, job, desc: JobDescription, limits: JobLimits) -> tuple[PodPlan, list[Event]]:
         return desc.requested, []
 
     def on_tick(self, job, obs: Observation) -> list[Event]:
         return []
+
+    def on_rate(self, job, plan: PodPlan, samples_per_s: float, worker_memory: float | None) -> None:
+        """A `rate_only` policy's report: what `on_tick` would read of it (it returns no events)."""
 
     def on_oom(self, job, obs: Observation) -> list[Event]:
         return []
@@ -186,6 +190,55 @@ def fit_convergence(k: np.ndarray, loss: np.ndarray, grid: int = 32) -> tuple[fl
 
 
 _ARANGE = np.arange(64, dtype=float)
+_MANY_CHUNK = 64  # curves per vectorised block in `fit_convergence_many` (64 x 32 x 30 doubles: 0.5 MB a temporary)
+
+
+def fit_convergence_many(ks: list, losses: list, grid: int = 32) -> list[tuple[float, float, float] | None]:
+    """`fit_convergence` of many curves ((k, loss) sequences), to the same values: the curves of one length are
+    fitted together, row by row in the same arithmetic (each row's sums are numpy's sums over that row's
+    contiguous values, as for one curve; `tests/unit/test_simulate_speedups7.py` checks them equal). Optimus
+    refits every running job's curve every round; one job at a time, numpy's per-call overhead was most of it."""
+    if len(ks) != len(losses):
+        raise ValueError(f"fit_convergence_many: {len(ks)} k sequences but {len(losses)} loss sequences")
+    out: list[tuple[float, float, float] | None] = [None] * len(ks)
+    if grid < 2 or grid > len(_ARANGE):
+        for i, (k, loss) in enumerate(zip(ks, losses, strict=True)):
+            out[i] = fit_convergence(np.asarray(k, float), np.asarray(loss, float), grid)
+        return out
+    by_n: dict[int, list[int]] = {}
+    for i, (k, loss) in enumerate(zip(ks, losses, strict=True)):
+        if len(k) != len(loss):
+            raise ValueError(f"fit_convergence_many: curve {i} has {len(k)} k values but {len(loss)} losses")
+        if len(k) >= 3:
+            by_n.setdefault(len(k), []).append(i)
+    steps = _ARANGE[:grid]
+    for n, idx_all in by_n.items():
+        for c0 in range(0, len(idx_all), _MANY_CHUNK):
+            idx = idx_all[c0:c0 + _MANY_CHUNK]
+            K = np.array([ks[i] for i in idx], float)
+            L = np.array([losses[i] for i in idx], float)
+            ok = K.max(axis=1) - K.min(axis=1) > 0
+            if not ok.all():
+                K, L, idx = K[ok], L[ok], [i for i, o in zip(idx, ok.tolist(), strict=True) if o]
+                if not idx:
+                    continue
+            top = L.min(axis=1) * 0.995
+            b2s = steps[None, :] * (top / (grid - 1))[:, None]  # (np.linspace's grid per curve, as above)
+            b2s[:, -1] = top
+            col = b2s[:, :, None]
+            y = 1.0 / (L[:, None, :] - col)  # curves x grid x points
+            km, ym = K.sum(axis=1) / n, y.sum(axis=2) / n
+            dk = K - km[:, None]
+            b0 = np.maximum((dk[:, None, :] * (y - ym[:, :, None])).sum(axis=2) / (dk * dk).sum(axis=1)[:, None], 0.0)
+            b1 = np.maximum(ym - b0 * km[:, None], 1e-9)
+            r = 1.0 / (b0[:, :, None] * K[:, None, :] + b1[:, :, None]) + col - L[:, None, :]
+            best = np.argmin((r * r).sum(axis=2), axis=1)
+            rows = np.arange(len(idx))
+            fb0, fb1, fb2 = b0[rows, best].tolist(), b1[rows, best].tolist(), b2s[rows, best].tolist()
+            for j, i in enumerate(idx):
+                if fb0[j] > 0:
+                    out[i] = (fb0[j], fb1[j], fb2[j])
+    return out
 
 
 def steps_to_target(fit: tuple[float, float, float], target: float) -> float:
@@ -214,6 +267,10 @@ class _OptimusJob:
         self.memory_known = not self.tables
         self.fit_n = -1
         self.fit: tuple[float, float, float] | None = None
+        self.alloc_of: PodPlan | None = None  # the plan `alloc` was built from
+        self.alloc: Allocation | None = None
+        self.coef_of: tuple = (None, None, None)  # (model, its terms, its coef) `coef` was read from
+        self.coef: list[float] = []
 
     def learn_memory(self, workers: int, peak: float) -> None:
         if self.memory_known or not self.tables:
@@ -224,6 +281,16 @@ class _OptimusJob:
         while w < self.max_w and base + 1.2 * embedding_shard_bytes(self.tables, w) > 0.9 * self.mem:
             w += 1
         self.min_w = w
+
+
+def _tr_coef(st: _OptimusJob, mod: ThroughputModel) -> list[float]:
+    """The model's (const, B/cpu, log2 w) coefficients (0 for a term it lacks), read again only when the job's model
+    (or its terms / coef tuples) changed: Optimus refits a job every few samples, not every round."""
+    key = st.coef_of
+    if key[0] is not mod or key[1] is not mod.terms or key[2] is not mod.coef:
+        st.coef_of = (mod, mod.terms, mod.coef)
+        st.coef = [dict(zip(mod.terms, mod.coef, strict=True)).get(k, 0.0) for k in TR_TERMS]
+    return st.coef
 
 
 class OptimusAllocator:
@@ -275,6 +342,7 @@ class OptimusPolicySim(SimPolicy):
     name = "optimus"
     interval_s: float | None = 600.0  # Optimus re-plans every 10 minutes
     wants_loss = True
+    rate_only = True
     refit_every = 3           # refit a job's throughput model after this many new samples (or a new size)
     min_change_s = 240.0      # ours: resize a running job only when its predicted remaining time moves by more
                               # (two checkpoint-stop-relaunch pauses); every 10 min otherwise costs 2 min of 10
@@ -290,12 +358,20 @@ class OptimusPolicySim(SimPolicy):
         return replace(desc.requested, workers=st.min_w), []
 
     def on_tick(self, job, obs):
-        st = self.jobs.get(job.job_id)
-        if st is not None and obs.samples_per_s:
-            st.model.add(Sample(obs.plan.allocation(), float(obs.samples_per_s)), refit=False)
-            if obs.worker_memory:
-                st.learn_memory(obs.plan.workers, max(obs.worker_memory))
+        self.on_rate(job, obs.plan, obs.samples_per_s, max(obs.worker_memory) if obs.worker_memory else None)
         return []
+
+    def on_rate(self, job, plan: PodPlan, samples_per_s: float, worker_memory: float | None) -> None:
+        """`on_tick` on the two numbers of the report Optimus reads (the engine passes them without building the
+        report, `SimPolicy.rate_only`): the measured samples/s and the largest worker memory (None: none)."""
+        st = self.jobs.get(job.job_id)
+        if st is not None and samples_per_s:
+            alloc = st.alloc
+            if st.alloc_of is not plan or alloc is None:  # (one Allocation per plan: its samples share it, frozen)
+                st.alloc_of, st.alloc = plan, (alloc := plan.allocation())
+            st.model.add(Sample(alloc, float(samples_per_s)), refit=False)
+            if worker_memory is not None:
+                st.learn_memory(plan.workers, worker_memory)
 
     def on_loss(self, job, k: float, loss: float) -> None:
         st = self.jobs.get(job.job_id)
@@ -347,15 +423,23 @@ class OptimusPolicySim(SimPolicy):
             rows.append((r, st, m.model or GENERIC_TR_PRIOR))
         if not rows:
             return {}
+        # the convergence curves of the jobs that logged new losses, all in one batch (`remaining_samples` below
+        # then finds them fitted): the values `fit_convergence` gives one job at a time
+        stale = [st for _, st, _ in rows if st.fit_n != len(st.k)]
+        if stale:
+            fits = fit_convergence_many([st.k[-30:] for st in stale], [st.loss[-30:] for st in stale])
+            for st, f in zip(stale, fits, strict=True):
+                st.fit_n, st.fit = len(st.k), f
         # every job's throughput at 1..max_w workers in one vectorised evaluation of the (const, B/cpu, log2 w) form
         wmax = max(st.max_w for _, st, _ in rows)
         ws = np.arange(1, wmax + 1, dtype=float)
-        coef = np.array([[dict(zip(mod.terms, mod.coef, strict=True)).get(k, 0.0) for k in TR_TERMS]
-                         for _, _, mod in rows])
+        coef = np.array([_tr_coef(st, mod) for _, st, mod in rows])
         b = np.array([r.plan.batch_size for r, _, _ in rows], float)
         c = np.array([st.cpu for _, st, _ in rows], float)
         step = coef[:, :1] + coef[:, 1:2] * (b / c)[:, None] + coef[:, 2:3] * np.log2(ws)[None, :]
-        thr = ws[None, :] * b[:, None] / np.maximum(step, 1e-12)
+        # (as python floats: the greedy's arithmetic on them is numpy's float64 arithmetic, without its scalar
+        # overhead)
+        thr = (ws[None, :] * b[:, None] / np.maximum(step, 1e-12)).tolist()
         jobs = [{"id": r.job.job_id, "min_w": st.min_w, "max_w": st.max_w, "cpu": st.cpu, "mem": st.mem,
                  "remaining": self.remaining_samples(st, r.done), "thr": thr[i]}
                 for i, (r, st, _) in enumerate(rows)]
