@@ -24,7 +24,7 @@ machine cannot hold (cores, memory) is refused before anything runs.
     python bench/bench_rap_share.py --calibrate-only        # the candidates' shares, nothing else
 
 Writes bench/results/bench_rap_share.json and bench/results/rap_share.png (co-run / ideal and co-run / inline
-against the share, measured and predicted).
+against the share, measured and predicted; `--out X/bench_NAME.json` writes X/NAME.png).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import torch
@@ -49,6 +49,8 @@ from recforge.config import ModelConfig, TrainConfig
 from recforge.data.shards import read_rows
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.executor import make_executor
+from recforge.preprocess.executors.fused import FusedExecutor
+from recforge.preprocess.fused_torch_script import ScriptedFusedExecutor
 from recforge.preprocess.presets import load_plan, preset_dataset
 from recforge.preprocess.synth import random_raw_batch
 from recforge.rap.planning.job_schedule import plan_schedule
@@ -79,15 +81,26 @@ MODELS: dict[str, tuple[list[int], list[int], int, int]] = {
 # the fused executor's form, for inline preprocessing and the co-run alike: "single" = one pass over every feature's
 # chain per row tile (recforge's CPU form), "grouped" = one call per fused group (RAP's horizontal fusion), "torch" =
 # the same groups on the ops' torch fallback (one torch kernel per op: the unfused baseline, FusedExecutor(native=
-# False)), where preprocessing is a larger share of a step
-FORMS = ("single", "grouped", "torch")
+# False)), where preprocessing is a larger share of a step; "script" = the same torch ops, each group one TorchScript
+# function (recforge.preprocess.fused_torch_script: still one kernel per op, but the interpreter runs without the
+# GIL, so the co-run thread does not take the trainer's GIL op by op)
+FORMS = ("single", "grouped", "torch", "script")
 
 
 def executor_options(form: str) -> dict[str, bool]:
-    """FusedExecutor options of an executor form (FORMS)."""
+    """FusedExecutor options of an executor form (FORMS); "script" shares the torch form's (its executor class is
+    ScriptedFusedExecutor: build_executor)."""
     if form not in FORMS:
         raise ValueError(f"unknown executor form {form!r}; choose from {list(FORMS)}")
-    return {"single_pass": form == "single", "native": form != "torch"}
+    return {"single_pass": form == "single", "native": form not in ("torch", "script")}
+
+
+def build_executor(form: str, plan, ds, compiled=None) -> FusedExecutor:
+    """The fused executor of an executor form (FORMS) for `plan`, sharing `compiled` when given."""
+    if form == "script":
+        executor_options(form)  # the name check
+        return ScriptedFusedExecutor(plan, ds, compiled=compiled)
+    return cast(FusedExecutor, make_executor("fused", plan, ds, compiled=compiled, **executor_options(form)))
 
 
 @dataclass(frozen=True)
@@ -175,7 +188,7 @@ class Point:
         self.c = c
         self.ds = preset_dataset(c.plan)
         self.plan = load_plan(c.plan, self.ds, MODELS[c.model][3])
-        self.executor = make_executor("fused", self.plan, self.ds, **executor_options(c.form))
+        self.executor = build_executor(c.form, self.plan, self.ds)
         self.model_cfg = model_config(c.model)
         torch.manual_seed(seed)
         init = build_dlrm(self.model_cfg, self.plan.tables(), len(self.plan.dense_features()))
@@ -225,7 +238,25 @@ def calibrate(c: Candidate, seed: int) -> dict[str, Any]:
     prep = preprocess_ms(point.executor, point.ds, c.batch, reps=3)
     return {"candidate": asdict(c), "name": c.name, "ideal_step_ms": train, "preprocess_ms": prep,
             "share": prep / (train + prep), "prep_over_ideal": prep / train,
-            "executor_path": point.executor.last_path}
+            "executor_path": point.executor.last_path, "torchscript_share": torchscript_share(point)}
+
+
+def torchscript_share(point: Point, reps: int = 5) -> float | None:
+    """The script form: the share of a batch's wall time spent inside TorchScript calls, where the GIL is released
+    (the rest, check_batch / the KJT's wrapper / the Python between groups, holds it); None for other forms. A
+    ratio of one thread's own times, so the machine's load moves it little (a spin thread's progress does not
+    separate the forms under load: the GIL-hungry side is the one that waits)."""
+    ex = point.executor
+    if not isinstance(ex, ScriptedFusedExecutor):
+        return None
+    raw = random_raw_batch(point.ds, point.c.batch, seed=1)
+    ex(raw)
+    shares = []
+    for _ in range(reps):
+        before, t0 = ex.script_s, time.perf_counter()
+        ex(raw)
+        shares.append((ex.script_s - before) / (time.perf_counter() - t0))
+    return round(statistics.median(shares), 4)
 
 
 def predict(point: Point, threads: int, corun_threads: int, steps_per_point: int, threshold: float
@@ -253,7 +284,8 @@ def predict(point: Point, threads: int, corun_threads: int, steps_per_point: int
         tracker.detach()
     profile_s = time.perf_counter() - t0
     sched = plan_schedule(point.plan, point.ds, point.model_cfg, 1, point.c.batch, "mlp_bwd", None,
-                          threads=corun_threads, profile=profile)
+                          threads=corun_threads, profile=profile,  # the point's form timed (its own executor)
+                          executor=build_executor(point.c.form, point.plan, point.ds, point.executor.compiled))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -290,13 +322,12 @@ def measure(point: Point, sched, args, root: Path, progress=None, task=None) -> 
     ctx: dict[str, Any] = {
         "plan": point.plan, "ds": point.ds, "manifest": manifest, "shard_rows": shard_rows, "batch": c.batch,
         "executor": point.executor, "schedule": sched, "corun_threads": args.corun_threads,
-        "corun_executor": make_executor("fused", point.plan, point.ds, compiled=point.executor.compiled,
-                                        **executor_options(c.form)),
+        "corun_executor": build_executor(c.form, point.plan, point.ds, point.executor.compiled),
         "rows_in_memory": {i: RawBatch.from_arrow(read_rows(manifest, i, 0, n), point.ds)
                            for i, n in enumerate(shard_rows)}}
     early = {**ctx, "schedule": whole_kernel_schedule(point.executor.compiled, "emb_fwd"),
-             "corun_executor": make_executor("fused", point.plan, point.ds, compiled=point.executor.compiled,
-                                             **executor_options(c.form)), "corun_summaries": []}
+             "corun_executor": build_executor(c.form, point.plan, point.ds, point.executor.compiled),
+             "corun_summaries": []}
 
     def epoch(v: str, sharded, losses=None) -> tuple[float, int]:
         return run_epoch("corun", sharded, early, losses) if v == "corun_early" else run_epoch(v, sharded, ctx, losses)
@@ -406,6 +437,17 @@ def print_table(points: list[dict[str, Any]]) -> None:
           "co-run kernels' time the trainer did not wait for; early = every kernel from emb_fwd)")
 
 
+def autogroup() -> str | None:
+    """This process's scheduler autogroup and its nice ("/autogroup-N nice K"; None where the kernel has none).
+    With autogroups on, a process's own nice weighs only against its session's processes: other sessions' work
+    shares the cores with this one by the autogroups' nice, whatever `nice` each command ran under."""
+    try:
+        on = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+        return Path("/proc/self/autogroup").read_text().strip() if on else None
+    except OSError:
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plans", default="plan0,plan2")
@@ -434,7 +476,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
     print(f"trainer threads {args.threads}, co-run threads {args.corun_threads}; {cpu_model()}, "
-          f"{os.cpu_count()} cpus, load average {load_start}", flush=True)
+          f"{os.cpu_count()} cpus, load average {load_start}, autogroup {autogroup()}", flush=True)
     from rich.progress import Progress  # lazy: the progress bar only when run as a script
 
     t_start = time.perf_counter()
@@ -447,7 +489,9 @@ def main() -> None:
                 calib.append(calibrate(c, args.seed))
                 progress.console.print(f"  {c.name:22s} ideal step {calib[-1]['ideal_step_ms']:8.1f} ms, fused "
                                        f"preprocessing {calib[-1]['preprocess_ms']:7.2f} ms: share "
-                                       f"{100 * calib[-1]['share']:.1f}%")
+                                       f"{100 * calib[-1]['share']:.1f}%" + (
+                                           "" if calib[-1]["torchscript_share"] is None else
+                                           f", {100 * calib[-1]['torchscript_share']:.0f}% of it in TorchScript"))
                 progress.advance(task)
             chosen = choose_points({Candidate(**r["candidate"]): r["share"] for r in calib}, targets)
             points = []
@@ -468,6 +512,7 @@ def main() -> None:
     report = {
         "machine": {"platform": platform.platform(), "cpu_model": cpu_model(), "cpus": os.cpu_count(),
                     "load_average_start": load_start, "load_average_end": os.getloadavg(),
+                    "autogroup": autogroup(),
                     "memory_available_gib": round(psutil.virtual_memory().available / 2**30, 2)},
         "settings": ({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
                      | {"torch": torch.__version__, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
@@ -479,7 +524,7 @@ def main() -> None:
     }
     write_report(args.out, report)
     if points:
-        plot(points, args.out.parent / "rap_share.png")
+        plot(points, args.out.parent / (args.out.stem.removeprefix("bench_") + ".png"))  # rap_share[_suffix].png
 
 
 if __name__ == "__main__":

@@ -27,17 +27,24 @@ log = logging.getLogger(__name__)
 
 def plan_schedule(plan: Plan, dataset: DatasetConfig, model: ModelConfig, world_size: int, batch_size: int,
                   stage: str, profile_dir: str | Path | None, threads: int = 1,
-                  profile: StageProfile | None = None) -> CorunSchedule:
+                  profile: StageProfile | None = None, executor: FusedExecutor | None = None) -> CorunSchedule:
     """The workers' schedule: RAP's scheduler over `profile` (or the one stored under `profile_dir` for this job),
-    with the simulator's predicted iteration time in its meta; without a profile every kernel in `stage`."""
-    executor = cast(FusedExecutor, make_executor("fused", plan, dataset))
+    with the simulator's predicted iteration time in its meta; without a profile every kernel in `stage`.
+    `executor`: the fused executor the co-run thread will run (its kernels are the ones timed, e.g. the torch /
+    TorchScript fallback); default the plan's C++ fused executor."""
+    if executor is not None and executor.plan is not plan:
+        raise ValueError(f"plan_schedule: the executor runs plan {executor.plan.name!r}, not {plan.name!r}")
+    if executor is None:
+        executor = cast(FusedExecutor, make_executor("fused", plan, dataset))
     compiled: CompiledPlan = executor.compiled
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # time the kernels with the co-run thread's budget
     try:
-        grouped = make_executor("fused", plan, dataset, compiled=compiled, single_pass=False)
+        # a spread schedule runs group by group; an executor without the native kernels has no single pass
+        grouped = (executor if not executor.native else
+                   make_executor("fused", plan, dataset, compiled=compiled, single_pass=False))
         cost = batch_scaled(group_timer(executor, dataset, batch_size), compiled,
-                            batch_ms(grouped, dataset, batch_size))  # a spread schedule runs group by group
+                            batch_ms(grouped, dataset, batch_size))
         if profile is None:
             profile = stored_profile(profile_dir, model, plan, world_size, batch_size)
         if profile is not None:
