@@ -304,25 +304,33 @@ class OptimusAllocator:
         free_c, free_m = cpu_total, mem_total
         out: dict[int, int] = {}
         heap: list[tuple[float, int, int]] = []
+        # each job's numbers as a tuple, read from its dict once (the greedy pops ~200 workers a job at 100k jobs):
+        # (id, cpu, mem, max_w, thr, remaining, share); `gain`'s arithmetic inline below, on the same floats
+        rows: list[tuple] = []
         for i, j in enumerate(jobs):  # in priority order (running first, then by arrival)
-            need_c, need_m = j["min_w"] * j["cpu"], j["min_w"] * j["mem"]
+            c, m = j["cpu"], j["mem"]
+            rows.append((j["id"], c, m, j["max_w"], j["thr"], j["remaining"], max(c / cpu_total, m / mem_total)))
+            need_c, need_m = j["min_w"] * c, j["min_w"] * m
             if need_c > free_c + 1e-9 or need_m > free_m + 1e-3:
                 out[j["id"]] = 0
                 continue
             free_c, free_m = free_c - need_c, free_m - need_m
             out[j["id"]] = j["min_w"]
             heapq.heappush(heap, (-OptimusAllocator.gain(j, j["min_w"], cpu_total, mem_total), i, j["min_w"]))
+        pop, push = heapq.heappop, heapq.heappush
         while heap:
-            neg, i, w = heapq.heappop(heap)
-            j = jobs[i]
+            neg, i, w = pop(heap)
             if -neg <= 0:
                 break  # no job gains from another worker
-            if j["cpu"] > free_c + 1e-9 or j["mem"] > free_m + 1e-3:
+            jid, c, m, max_w, thr, rem, share = rows[i]
+            if c > free_c + 1e-9 or m > free_m + 1e-3:
                 continue  # this job's worker does not fit; a smaller one may
-            free_c, free_m = free_c - j["cpu"], free_m - j["mem"]
-            out[j["id"]] = w + 1
-            if w + 1 < j["max_w"]:
-                heapq.heappush(heap, (-OptimusAllocator.gain(j, w + 1, cpu_total, mem_total), i, w + 1))
+            free_c, free_m = free_c - c, free_m - m
+            w += 1
+            out[jid] = w
+            if w < max_w:  # gain(job, w): (w < max_w here)
+                now, nxt = thr[w - 1], thr[w]
+                push(heap, (-(rem * (1.0 / now - 1.0 / nxt) / share if now > 0 and nxt > 0 else 0.0), i, w))
         return out
 
     @staticmethod
