@@ -10,16 +10,14 @@ a real sharded DLRM, real shards and PrefetchBatches (one gloo rank in this proc
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from gloo_world import world1  # noqa: F401 (fixture)
 from recforge.config import ModelConfig, TrainConfig
-from recforge.elastic.backends.local import free_port
 from recforge.elastic.master.tasks import TaskQueue
 from recforge.preprocess.executor import TorchExecutor
 from recforge.preprocess.planning.plan import criteo_plan
@@ -31,21 +29,11 @@ from recforge.train.model import EBC_PATH, build_dlrm
 from recforge.train.sharding import shard_model
 from task_source_fixtures import DS, FakeClient, task, tiny_shards
 
+pytestmark = pytest.mark.usefixtures("world1")  # one gloo rank (gloo_world)
 CPU = torch.device("cpu")
 BATCH = 16
 SHARD_ROWS = [130, 100]  # tiny_shards
 PLAN = criteo_plan(DS, table_cap=16)
-
-
-@pytest.fixture(scope="module")
-def world1():
-    if dist.is_initialized():
-        yield
-        return
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +97,7 @@ def _ebc_forward_is_its_own(sm) -> bool:
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_pipelined_epoch_trains_what_the_plain_loop_trains(world1, manifest_dir, fused):
+def test_pipelined_epoch_trains_what_the_plain_loop_trains(manifest_dir, fused):
     tasks = [task(0, 0, 0, 50), task(1, 1, 0, 100), task(2, 0, 50, 130)]
     models = {}
     for pipelined in (False, True):
@@ -135,7 +123,7 @@ class Stop(Exception):
     pass
 
 
-def test_stop_at_a_window_with_steps_in_flight_then_resume_trains_every_row_once(world1, manifest_dir):
+def test_stop_at_a_window_with_steps_in_flight_then_resume_trains_every_row_once(manifest_dir):
     queue = TaskQueue(SHARD_ROWS, rows_per_task=40)  # tasks of 40 rows: batches 16, 16, 8
     client, ledger, sm = QueueClient(queue), Rows(), _model()
     src, zero = _source(manifest_dir, client, ledger)
@@ -173,7 +161,7 @@ def test_stop_at_a_window_with_steps_in_flight_then_resume_trains_every_row_once
     assert queue2.finished or queue2.epoch >= 1
 
 
-def test_switch_and_refusals(world1, manifest_dir):
+def test_switch_and_refusals(manifest_dir):
     assert pipeline_override({PIPELINE_ENV: "1"}) is True
     assert pipeline_override({}) is None and pipeline_override({PIPELINE_ENV: "0"}) is False
     with pytest.raises(ValueError, match=PIPELINE_ENV):

@@ -110,6 +110,8 @@ class FlashSnapshotter:
         except (ValueError, KeyError, OSError, zipfile.BadZipFile) as e:
             layout, ok = None, False
             log.warning("flash fast path unavailable (%s): every snapshot is a full DCP save", e)
+        if ok and layout is not None:
+            layout.keep_headers_only()  # the payloads are the state's bytes: each fast save copies them from the state
         self.layout = layout if ok else None
         if not ok and layout is not None:
             log.warning("flash fast path disabled: the recorded layout does not reproduce the state's bytes")
