@@ -85,8 +85,43 @@ class Cluster:
             hm[b] += sign
         return True
 
+    def _set_few(self, nodes, oc: list[float], om: list[float], nc: list[float], nm: list[float]) -> bool:
+        """free[nodes] = (nc, nm) for a few distinct nodes now at (oc, om), the bucket histograms moved in python:
+        what `_hist(nodes, -1)`, the change and `_hist(nodes, 1)` leave (`_hist_few`'s buckets of the old and the new
+        values; a node whose buckets did not change is not touched). False (nothing changed) when a value is not
+        finite: the numpy path decides those."""
+        try:
+            kc, km = self._kc - 1, self._km - 1
+            boc = [min(max(math.ceil(f - 1e-7), 0), kc) for f in oc]
+            bnc = [min(max(math.ceil(f - 1e-7), 0), kc) for f in nc]
+            bom = [min(max(math.ceil((f - 1e-3) / GiB), 0), km) for f in om]
+            bnm = [min(max(math.ceil((f - 1e-3) / GiB), 0), km) for f in nm]
+        except (OverflowError, ValueError):  # inf / nan
+            return False
+        self.version += 2  # (as the two `_hist` calls)
+        hc, hm = self._hc, self._hm
+        for a, b in zip(boc, bnc, strict=True):
+            if a != b:
+                hc[a] -= 1
+                hc[b] += 1
+        for a, b in zip(bom, bnm, strict=True):
+            if a != b:
+                hm[a] -= 1
+                hm[b] += 1
+        self.free_cpu[nodes] = nc
+        self.free_mem[nodes] = nm
+        return True
+
     def _change(self, nodes, dc, dm) -> None:
-        """free[nodes] += (dc, dm) for distinct nodes, keeping the bucket histograms in step."""
+        """free[nodes] += (dc, dm) for distinct nodes, keeping the bucket histograms in step (a few nodes: the same
+        float sums in python, `_set_few`)."""
+        if (self.bound and len(nodes) <= _FEW_NODES and type(dc) is np.ndarray and type(dm) is np.ndarray
+                and dc.shape == dm.shape == (len(nodes),)):
+            oc, om = self.free_cpu[nodes].tolist(), self.free_mem[nodes].tolist()
+            nc = [a + b for a, b in zip(oc, dc.tolist(), strict=True)]
+            nm = [a + b for a, b in zip(om, dm.tolist(), strict=True)]
+            if self._set_few(nodes, oc, om, nc, nm):
+                return
         self._hist(nodes, -1)
         self.free_cpu[nodes] += dc
         self.free_mem[nodes] += dm
@@ -94,6 +129,16 @@ class Cluster:
 
     def _per_pod(self, pods: list[tuple[float, float]], where: list[int], sign: int) -> None:
         nodes = sorted(set(where))
+        if self.bound and len(nodes) <= _FEW_NODES:  # python floats: the same sums, pod by pod, in the same order
+            oc, om = self.free_cpu[nodes].tolist(), self.free_mem[nodes].tolist()
+            at = {j: i for i, j in enumerate(nodes)}
+            nc, nm = oc[:], om[:]
+            for (c, m), j in zip(pods, where, strict=True):
+                i = at[j]
+                nc[i] += sign * c
+                nm[i] += sign * m
+            if self._set_few(nodes, oc, om, nc, nm):
+                return
         self._hist(nodes, -1)
         for (c, m), j in zip(pods, where, strict=True):  # one pod at a time: the same float sums as ever
             self.free_cpu[j] += sign * c
@@ -117,6 +162,26 @@ class Cluster:
             if k < n:
                 return False
         return True
+
+    def fit_limit(self, c: float, m: float) -> float:
+        """The most identical pods of (c cores, m bytes) the bucket bound lets through (`_may_fit(c, m, n)` is
+        `n <= fit_limit(c, m)`; inf without the bound): a scheduling pass reads it once per pod shape and version."""
+        if not self.bound:
+            return math.inf
+        if self._bound_v != self.version:
+            self._bound_v, self._bound_c, self._bound_m = self.version, {}, {}
+        lim = math.inf
+        if c > 0:
+            k = self._bound_c.get(c)
+            if k is None:
+                k = self._bound_c[c] = int(self._hc @ np.floor(self._vc / c))
+            lim = k
+        if m > 0:
+            k = self._bound_m.get(m)
+            if k is None:
+                k = self._bound_m[m] = int(self._hm @ np.floor(self._vm / m))
+            lim = min(lim, k)
+        return lim
 
     @property
     def capacity_cpu(self) -> float:

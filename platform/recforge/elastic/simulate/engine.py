@@ -387,11 +387,15 @@ class Simulation:
         # the roomiest node's free CPU / memory, and the free cores, with the margins the checks below add: they
         # change only when a job starts (a placement that fails takes nothing)
         big_c, big_m = float(cl.free_cpu.max()) + 1e-9, float(cl.free_mem.max()) + 1e-3
-        free_c = cl.free_cpu_total + 1e-6
+        free_c, free_m = cl.free_cpu_total + 1e-6, cl.free_mem_total + 1.0
         failed: dict[tuple, float] = {}  # pod shape -> fewest pods of it that did not fit: more will not either
         misses, most = 0, self.params.max_failed_placements
         runs = self.runs
-        refuses = cl.refuses
+        # `Cluster.refuses(c, m, n)` inline: c * n and m * n against the free totals, n against the bucket bound of the
+        # pod shape (`Cluster.fit_limit`, read once per shape and cluster version)
+        limits: dict[tuple[float, float], float] = {}
+        ver = cl.version
+        fit_limit = cl.fit_limit
         for jid in sorted([k[1] for k in self.pending[:n]]):
             r = runs[jid]
             if r.status != "pending":
@@ -404,14 +408,23 @@ class Simulation:
             _, cpu_total, c, m, workers, servers, shape = s
             if cpu_total > free_c or c > big_c or m > big_m or workers >= failed.get(shape, math.inf):
                 continue
-            if not servers and refuses(c, m, workers):
+            if not servers:
+                if cl.version != ver:  # (a placement tried and undone also moves the version: read the bounds again)
+                    limits, ver = {}, cl.version
+                lim = limits.get((c, m))
+                if lim is None:
+                    lim = limits[(c, m)] = fit_limit(c, m)
+                refused = c * workers > free_c or m * workers > free_m or workers > lim
+            else:
+                refused = False
+            if refused:
                 pass  # `place` would refuse its workers (identical pods) at once: a miss, without building them
             elif self._try_start(r, t):
                 self._unpend(r)
                 big_c, big_m = float(cl.free_cpu.max()) + 1e-9, float(cl.free_mem.max()) + 1e-3
-                free_c = cl.free_cpu_total + 1e-6
+                free_c, free_m = cl.free_cpu_total + 1e-6, cl.free_mem_total + 1.0
                 continue
-            failed[shape] = min(failed.get(shape, math.inf), workers)
+            failed[shape] = workers  # (fewer than any that failed before: the check above let it through)
             misses += 1
             if misses >= most:
                 break

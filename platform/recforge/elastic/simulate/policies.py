@@ -39,7 +39,7 @@ from recforge.elastic.optimizer import (
     embedding_shard_bytes,
     warm_start,
 )
-from recforge.elastic.optimizer.models.throughput_model import Allocation, OnlineThroughputModel
+from recforge.elastic.optimizer.models.throughput_model import Allocation, OnlineThroughputModel, refit_many
 
 GiB = float(1 << 30)
 
@@ -416,19 +416,22 @@ class OptimusPolicySim(SimPolicy):
 
     def allocate(self, runs, cluster, t: float) -> dict[int, int]:
         runs = sorted(runs, key=lambda r: (r.status != "running", r.job.arrival_s, r.job.job_id))
-        rows = []
+        due: list[OnlineThroughputModel] = []
+        kept = []
         for r in runs:
             st = self.jobs.get(r.job.job_id)
             if st is None:
                 continue
             m = st.model
             if m.samples and (len(m.samples) - st.refit_at >= self.refit_every or st.refit_at < 0):
-                try:
-                    m.refit()
-                except ValueError:  # ModelFitError: keep the previous model
-                    pass
-                st.refit_at = len(m.samples)
-            rows.append((r, st, m.model or GENERIC_TR_PRIOR))
+                due.append(m)
+                st.refit_at = len(m.samples)  # (a refit does not change the samples)
+            kept.append((r, st))
+        # the due refits together (`refit_many`: each model as its own `refit` leaves it; a ModelFitError keeps the
+        # previous model, as before)
+        if due:
+            refit_many(due)
+        rows = [(r, st, st.model.model or GENERIC_TR_PRIOR) for r, st in kept]
         if not rows:
             return {}
         # the convergence curves of the jobs that logged new losses, all in one batch (`remaining_samples` below
