@@ -1,4 +1,5 @@
 """One set of live services for the whole e2e session (the API test and the browser test share it)."""
+import os
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -15,8 +16,16 @@ def live(tmp_path_factory) -> LiveServices:
     # files in the services' landing zone (a day either side: a session that crosses midnight)
     today = datetime.now(UTC).date()
     land_synthetic(home / "landing", today - timedelta(days=1), 4, rows_per_day=TINY["rows_per_day"])
-    # a retried task (test_train_retry_resumes) starts soon, yet after the scheduler restart that test does meanwhile
-    svc = start(home, RECFORGE_RETRY_DELAY_S="12")
+    # landed an hour ago: wait_for_data counts a file as landed once it has not changed for sensor_poke_s (60 s by
+    # default, which the browser run keeps); a run triggered sooner than that after this landing waited a whole poke
+    # (seen: 64 s of the browser run's wait_for_data when the services came up quickly)
+    landed = time.time() - 3600
+    for f in (home / "landing").rglob("*"):
+        if f.is_file():
+            os.utime(f, (landed, landed))
+    # a retried task (test_train_retry_resumes) starts soon, yet only after that test has killed the scheduler that
+    # recorded the failure (it does so within a second of seeing up_for_retry); the restarted scheduler runs the retry
+    svc = start(home, RECFORGE_RETRY_DELAY_S="6")
     pids = {p.stem: int(p.read_text()) for p in (home / "run").glob("*.pid")}
     try:
         svc.wait_for_dag()

@@ -226,7 +226,7 @@ def test_a_backfill_runs_each_day_once_and_a_cleared_day_reruns_in_place(live):
         if tries["ingest"][0] > 1 and tries["ingest"][1] == "success":
             break
         assert tries["ingest"][1] not in ("failed", "upstream_failed"), live.describe(first["dag_run_id"])
-        time.sleep(3)
+        time.sleep(1)
     assert tries["ingest"][0] > 1 and tries["ingest"][1] == "success", tries
     live.wait_for_run(first["dag_run_id"], timeout=300)
     after = stage_runs(key)
