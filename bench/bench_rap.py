@@ -49,7 +49,7 @@ from recforge.rap.planning.schedule import CorunSchedule, whole_kernel_schedule
 from recforge.rap.runtime.corun_batches import CorunTaskBatches, PreprocessedBatches
 from recforge.rap.runtime.session import CorunSession
 from recforge.train.loop.batches import TaskBatches, slice_raw
-from recforge.train.loop.step_loop import LoopState, train_epoch
+from recforge.train.loop.step_loop import LoopState, PhaseTimes, train_epoch
 from recforge.train.model import build_dlrm
 from recforge.train.sharding import shard_model
 
@@ -95,8 +95,10 @@ def make_data(ds, rows: int, rows_per_shard: int, root: Path, seed: int) -> tupl
     return root / "data", [s.rows for s in manifest.shards]
 
 
-def run_epoch(variant: str, sharded, ctx: dict[str, Any], losses: list[float] | None = None) -> tuple[float, int]:
-    """One epoch over the data with `variant`; (seconds in the training loop, steps)."""
+def run_epoch(variant: str, sharded, ctx: dict[str, Any], losses: list[float] | None = None,
+              phases: PhaseTimes | None = None) -> tuple[float, int]:
+    """One epoch over the data with `variant`; (seconds in the training loop, steps). `phases`: the step loop's
+    phase timer (e.g. bench_rap_share.StepClock, which keeps every step's times)."""
     cpu = torch.device("cpu")
     client = FixedTasks(list(range(len(ctx["shard_rows"]))), ctx["shard_rows"])
     session = None
@@ -114,7 +116,7 @@ def run_epoch(variant: str, sharded, ctx: dict[str, Any], losses: list[float] | 
             source = PreprocessedBatches(source)  # preprocessed here, outside the timed loop
     sink = (lambda m, step: losses.append(m["train_loss"])) if losses is not None else None
     stats = train_epoch(sharded, source, None, LoopState(), epoch=0, world_size=1, log_every=1 if sink else 10**9,
-                        sink=sink)
+                        sink=sink, phases=phases)
     if session is not None:
         ctx.setdefault("corun_summaries", []).append(session.summary())
         session.close()

@@ -15,6 +15,9 @@ points are chosen by their measured share:
    RAP's scheduler over the profile and the timed fused kernels, the simulator's iteration time: predicted ideal,
    inline, co-run and the share of the kernels hidden) and the measurement: ideal / inline / corun over the real
    trainer (bench_rap.run_epoch: train_epoch over TaskBatches / CorunTaskBatches), in interleaved rounds, medians.
+   The ratios compare steady-state steps (every step but each epoch's first, whose batch a co-run preprocesses
+   with nothing to hide behind: the pipeline's fill, nothing over a real epoch's thousands of steps); each epoch's
+   wall / steps, the fill included, is reported beside them (`epoch_*`).
 
 Fixed threads: the trainer `--threads` (1), the co-run thread `--corun-threads` (1): 2 cores. A configuration the
 machine cannot hold (cores, memory) is refused before anything runs.
@@ -62,6 +65,7 @@ from recforge.rap.profiling.profiler import BackgroundRunner, ProfileKey, ProxyK
 from recforge.rap.profiling.stages import STAGES, StageTracker
 from recforge.train.loop.batches import prepare
 from recforge.train.loop.loss import step_loss
+from recforge.train.loop.step_loop import PhaseTimes
 from recforge.train.model import build_dlrm
 from recforge.train.sharding import shard_model
 
@@ -313,6 +317,39 @@ def predict(point: Point, threads: int, corun_threads: int, steps_per_point: int
     }
 
 
+class StepClock(PhaseTimes):
+    """The step loop's phase timer, also keeping every step's wall milliseconds per phase (a step ends at its
+    `coordination` mark), so an epoch's first step (a co-run's pipeline fill: batch 0 preprocessed before step 0,
+    nothing to hide behind) can be told from the steady state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps_ms: list[dict[str, float]] = []
+        self._cur: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        self._cur[phase] = self._cur.get(phase, 0.0) + (time.perf_counter() - self._t) * 1e3
+        super().mark(phase)
+        if phase == "coordination":
+            self.steps_ms.append(self._cur)
+            self._cur = {}
+
+
+def steady_ms(clocks: list[StepClock]) -> float:
+    """Median step milliseconds over every step of the epochs but each one's first."""
+    steps = [sum(s.values()) for c in clocks for s in c.steps_ms[1:]]
+    if not steps:
+        raise ValueError("steady_ms: no epoch had more than one step (use --steps >= 2)")
+    return statistics.median(steps)
+
+
+def phase_ms(clocks: list[StepClock]) -> dict[str, float]:
+    """Median milliseconds per phase over the same steps as steady_ms."""
+    steps = [s for c in clocks for s in c.steps_ms[1:]]
+    return {k: round(statistics.median(s.get(k, 0.0) for s in steps), 3) for k in ("data", "forward", "backward",
+                                                                                   "optimizer", "coordination")}
+
+
 def measure(point: Point, sched, args, root: Path, progress=None, task=None) -> dict[str, Any]:
     """ideal / inline / corun over the real trainer (bench_rap.run_epoch) in interleaved rounds."""
     c = point.c
@@ -329,8 +366,10 @@ def measure(point: Point, sched, args, root: Path, progress=None, task=None) -> 
              "corun_executor": build_executor(c.form, point.plan, point.ds, point.executor.compiled),
              "corun_summaries": []}
 
-    def epoch(v: str, sharded, losses=None) -> tuple[float, int]:
-        return run_epoch("corun", sharded, early, losses) if v == "corun_early" else run_epoch(v, sharded, ctx, losses)
+    def epoch(v: str, sharded, losses=None, clock: StepClock | None = None) -> tuple[float, int]:
+        if v == "corun_early":
+            return run_epoch("corun", sharded, early, losses, phases=clock)
+        return run_epoch(v, sharded, ctx, losses, phases=clock)
 
     curves: dict[str, list[float]] = {}
     if args.check_losses:
@@ -341,21 +380,34 @@ def measure(point: Point, sched, args, root: Path, progress=None, task=None) -> 
     for v in VARIANTS:
         epoch(v, sharded)  # warm-up
     ctx["corun_summaries"], early["corun_summaries"] = [], []
-    step: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    step: dict[str, list[float]] = {v: [] for v in VARIANTS}  # per round: the epoch's wall / steps (fill included)
+    clocks: dict[str, list[StepClock]] = {v: [] for v in VARIANTS}
     for _ in range(args.rounds):
         for v in VARIANTS:
-            wall, steps = epoch(v, sharded)
+            clock = StepClock()
+            wall, steps = epoch(v, sharded, clock=clock)
             step[v].append(wall / steps * 1e3)
+            clocks[v].append(clock)
         if progress is not None:
             progress.advance(task)
     RowsInMemory.rows = {}
-    med = {v: statistics.median(step[v]) for v in VARIANTS}
+    # the steady state (every step but each epoch's first) is what the ratios use: a pipeline's epoch is thousands of
+    # steps, where the co-run's one-batch fill is nothing; the epochs here are --steps long, so it is reported apart
+    med = {v: steady_ms(clocks[v]) for v in VARIANTS}
+    epoch_med = {v: statistics.median(step[v]) for v in VARIANTS}
     summary = ctx["corun_summaries"][len(ctx["corun_summaries"]) // 2]
     early_summary = early["corun_summaries"][len(early["corun_summaries"]) // 2]
     kernel, wait = summary.get("kernel_ms", 0.0), summary.get("wait_ms", 0.0)
     ek, ew = early_summary.get("kernel_ms", 0.0), early_summary.get("wait_ms", 0.0)
     return {
-        "step_ms": {v: {"median": med[v], "rounds": step[v]} for v in VARIANTS},
+        "step_ms": {v: {"median": med[v], "epoch_median": epoch_med[v], "rounds": step[v],
+                        "first_step_ms": [round(sum(c.steps_ms[0].values()), 3) for c in clocks[v] if c.steps_ms],
+                        "phase_ms": phase_ms(clocks[v])} for v in VARIANTS},
+        "measured_as": "steady state: median step over every step of the rounds' epochs but each one's first",
+        "epoch_corun_vs_ideal": epoch_med["ideal"] / epoch_med["corun"],
+        "epoch_corun_vs_inline": epoch_med["inline"] / epoch_med["corun"],
+        "epoch_corun_early_vs_ideal": epoch_med["ideal"] / epoch_med["corun_early"],
+        "epoch_corun_early_vs_inline": epoch_med["inline"] / epoch_med["corun_early"],
         "samples_per_s": {v: c.batch / med[v] * 1e3 for v in VARIANTS},
         "corun_vs_ideal": med["ideal"] / med["corun"], "inline_vs_ideal": med["ideal"] / med["inline"],
         "corun_vs_inline": med["inline"] / med["corun"],
@@ -422,7 +474,7 @@ def plot(points: list[dict[str, Any]], out: Path) -> None:
 def print_table(points: list[dict[str, Any]]) -> None:
     print(f"{'point':22s} {'share':>6s} {'ideal ms':>9s} {'inline':>8s} {'corun':>8s}  {'co/ideal':>8s} "
           f"{'pred':>6s}  {'co/inl':>7s} {'pred':>6s}  {'hidden':>6s} {'pred':>6s}  {'early/id':>8s} "
-          f"{'early/inl':>9s} {'pred':>6s}")
+          f"{'early/inl':>9s} {'pred':>6s}  {'epoch co/id':>11s} {'co/inl':>6s}")
     for p in points:
         m, q = p["measured"], p["predicted"]
         s = m["step_ms"]
@@ -432,9 +484,10 @@ def print_table(points: list[dict[str, Any]]) -> None:
               f"{m['corun_vs_inline']:7.3f} {q['corun_vs_inline']:6.3f}  "
               f"{'-' if hid is None else f'{hid:.2f}':>6s} {q['hidden_fraction']:6.2f}  "
               f"{m['corun_early_vs_ideal']:8.3f} {m['corun_early_vs_inline']:9.3f} "
-              f"{q['corun_early_vs_inline']:6.3f}")
-    print("(step ms medians; ratios of samples/s; pred = RAP's profile-based prediction; hidden = share of the "
-          "co-run kernels' time the trainer did not wait for; early = every kernel from emb_fwd)")
+              f"{q['corun_early_vs_inline']:6.3f}  {m['epoch_corun_vs_ideal']:11.3f} {m['epoch_corun_vs_inline']:6.3f}")
+    print("(steady-state step ms: medians over every step but each epoch's first; ratios of samples/s; pred = RAP's "
+          "profile-based prediction; hidden = share of the co-run kernels' time the trainer did not wait for; early = "
+          "every kernel from emb_fwd; epoch = the epochs' wall / steps, the co-run's one-batch fill included)")
 
 
 def autogroup() -> str | None:
@@ -469,6 +522,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_rap_share.json")
     args = ap.parse_args()
+    if args.steps < 2:
+        raise SystemExit(f"refused: --steps {args.steps}; the steady state is every step of an epoch but its first, "
+                         "so an epoch needs at least 2")
     candidates = parse_candidates(args.plans, args.models, args.batches, args.forms)
     targets = [float(t) for t in args.targets.split(",") if t.strip()]
     check_machine(candidates, args.threads, args.corun_threads, max(c.batch for c in candidates) * args.steps)

@@ -169,3 +169,71 @@ def test_a_failed_profiling_rank_ends_the_others_at_once():
     finally:
         slow.kill()
         slow.wait()
+
+
+# ------------------------------------------------------------------ CPU: RAP's schedule or the whole batch from a stage
+
+
+def _rap_like(compiled, predicted_ms: float):
+    """A stand-in for RAP's schedule with the meta plan_schedule gives it (its predicted iteration time)."""
+    from recforge.rap.planning.schedule import whole_kernel_schedule
+
+    return whole_kernel_schedule(compiled, "allreduce", meta={
+        "source": "RAP scheduler over stage profile x", "predicted_iteration_ms": predicted_ms, "unhidden_ms": 1.0,
+        "simulated_iteration_ms": {"rap": predicted_ms, "ideal": sum(STAGE_MS.values())}})
+
+
+def _capacity_profile(capacity: dict[str, float], device: str = "cpu") -> StageProfile:
+    return StageProfile(key=ProfileKey.of(MODEL, PLAN.tables(), 1, 64, device), stage_ms=dict(STAGE_MS),
+                        capacity_units={s: 1 for s in STAGES}, capacity_ms=dict(capacity), unit_ms=0.01,
+                        threshold=0.1)
+
+
+def test_on_a_cpu_the_whole_batch_from_the_stage_that_hides_it_beats_a_schedule_that_does_not():
+    from recforge.rap.planning.job_schedule import cpu_start_choice
+
+    compiled = compile_plan(PLAN)
+    ideal = sum(STAGE_MS.values())
+    # room in the three first stages only (1 ms each): 2.5 ms started at emb_fwd runs on through mlp_fwd and mlp_bwd
+    profile = _capacity_profile({"emb_fwd": 1.0, "mlp_fwd": 1.0, "mlp_bwd": 1.0, "emb_bwd": 0.0, "allreduce": 0.0})
+    per_group = {g.name: nodes_cost(compiled, g) for g in compiled.groups}
+    chosen = cpu_start_choice(_rap_like(compiled, ideal + 1.0), compiled, profile, 2.5, per_group)
+    assert {a.stage for a in chosen.assignments} == {"emb_fwd"}
+    assert [a.group for a in chosen.assignments] == [g.name for g in compiled.groups]
+    assert chosen.meta["predicted_iteration_ms"] == pytest.approx(ideal) and chosen.meta["unhidden_ms"] == 0.0
+    assert chosen.meta["rap_schedule_iteration_ms"] == ideal + 1.0
+    assert chosen.meta["whole_start_iteration_ms"]["mlp_fwd"] == pytest.approx(ideal + 0.5)  # 2 ms of room left
+    assert chosen.meta["whole_start_iteration_ms"]["allreduce"] == pytest.approx(ideal + 2.5)  # none
+    assert chosen.meta["cpu_choice"].startswith("whole from emb_fwd")
+    assert chosen.meta["simulated_iteration_ms"]["ideal"] == ideal  # the simulator's numbers stay for MLflow
+    # the groups' predictions are their shares of the whole batch, in proportion to their grouped times
+    assert sum(a.predicted_ms for a in chosen.assignments) == pytest.approx(2.5)
+    total = sum(per_group.values())
+    assert chosen.assignments[0].predicted_ms == pytest.approx(per_group[compiled.groups[0].name] / total * 2.5)
+    # 3.5 ms: 0.5 ms unhidden from emb_fwd, as RAP's schedule is predicted: a tie keeps RAP's schedule
+    rap = _rap_like(compiled, ideal + 0.5)
+    assert cpu_start_choice(rap, compiled, profile, 3.5, per_group) is rap
+    assert rap.meta["cpu_choice"].startswith("rap") and rap.meta["predicted_iteration_ms"] == ideal + 0.5
+
+
+def test_on_a_tie_between_stages_the_earliest_start_is_chosen():
+    from recforge.rap.planning.job_schedule import cpu_start_choice
+
+    compiled = compile_plan(PLAN)
+    profile = _capacity_profile(dict.fromkeys(STAGES, 1e3))  # every start hides everything
+    per_group = {g.name: 1.0 for g in compiled.groups}
+    chosen = cpu_start_choice(_rap_like(compiled, sum(STAGE_MS.values()) + 0.1), compiled, profile, 2.0, per_group)
+    assert {a.stage for a in chosen.assignments} == {"emb_fwd"}
+
+
+def test_plan_schedule_keeps_raps_schedule_on_a_gpu_profile_and_chooses_on_a_cpu_one():
+    capacity = {"emb_fwd": 1e3, "mlp_fwd": 0.0, "mlp_bwd": 0.0, "emb_bwd": 0.0, "allreduce": 0.0}
+    gpu = plan_schedule(PLAN, DS, MODEL, world_size=1, batch_size=64, stage="emb_bwd", profile_dir=None,
+                        profile=_capacity_profile(capacity, "cuda"))
+    assert "cpu_choice" not in gpu.meta and gpu.meta["source"].startswith("RAP scheduler")
+    cpu = plan_schedule(PLAN, DS, MODEL, world_size=1, batch_size=64, stage="emb_bwd", profile_dir=None,
+                        profile=_capacity_profile(capacity, "cpu"))
+    # everything fits emb_fwd's room either way: both predict the ideal step, so RAP's schedule stays
+    assert cpu.meta["cpu_choice"].startswith("rap")
+    assert cpu.meta["predicted_iteration_ms"] == pytest.approx(sum(STAGE_MS.values()), abs=1e-3)
+    assert cpu.meta["whole_start_iteration_ms"]["emb_fwd"] == pytest.approx(sum(STAGE_MS.values()))

@@ -17,9 +17,10 @@ from recforge.preprocess.planning.compiler import CompiledPlan, FusedGroup
 from recforge.preprocess.planning.plan import Plan
 from recforge.rap.planning.schedule import CorunSchedule, group_features, restrict, whole_kernel_schedule
 from recforge.rap.planning.scheduler import schedule
-from recforge.rap.planning.simulator import KernelCost, RankStages, SimSetup, simulate
+from recforge.rap.planning.simulator import KernelCost, RankStages, SimSetup, corun_thread_iteration_ms, simulate
 from recforge.rap.profiling.kernel_timer import GroupTimer, batch_ms, group_timer
 from recforge.rap.profiling.profiler import ProfileKey, ProfileMismatch, StageProfile
+from recforge.rap.profiling.stages import STAGES
 from recforge.train.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ def plan_schedule(plan: Plan, dataset: DatasetConfig, model: ModelConfig, world_
             sched.meta["predicted_by"] = ("recforge.rap.planning.simulator, method rap; every sparse feature "
                                           "data_parallel (each worker preprocesses its local batch, as the workers "
                                           "do); no input all-to-all term (not in a single-process profile)")
+            if profile.key.device == "cpu":
+                return cpu_start_choice(sched, compiled, profile, batch_ms(executor, dataset, batch_size),
+                                        {g.name: cost(g) for g in compiled.groups})
             return sched
         per_group = {g.name: cost(g) for g in compiled.groups}
         return whole_kernel_schedule(compiled, stage, per_group, meta={
@@ -65,6 +69,37 @@ def plan_schedule(plan: Plan, dataset: DatasetConfig, model: ModelConfig, world_
             "total_predicted_ms": sum(per_group.values())})
     finally:
         torch.set_num_threads(before)
+
+
+def cpu_start_choice(rap: CorunSchedule, compiled: CompiledPlan, profile: StageProfile, whole_ms: float,
+                     per_group: dict[str, float]) -> CorunSchedule:
+    """On a CPU the co-run thread has a core of its own and its work runs on through the stages after the one it
+    starts in, which RAP's per-stage model does not see: RAP's schedule (`rap`, predicted by the simulator) against
+    the whole batch (`whole_ms`, one executor call: the single pass where the executor has one) started at each
+    stage (simulator.corun_thread_iteration_ms). The schedule predicted fastest wins; on a tie RAP's, then the
+    earlier stage. The meta records both predictions and the choice; a whole schedule's groups are predicted at
+    their shares of `whole_ms` (by `per_group`, their grouped times)."""
+    rap_ms = float(rap.meta["predicted_iteration_ms"])
+    # rounded as the simulator's predictions are (simulated_iteration_ms)
+    starts = {s: round(corun_thread_iteration_ms(profile.stage_ms, profile.capacity_ms, whole_ms, s), 4)
+              for s in STAGES}
+    best = min(STAGES, key=lambda s: (starts[s], STAGES.index(s)))
+    common = {"rap_schedule_iteration_ms": rap_ms, "whole_start_iteration_ms": starts}
+    if starts[best] >= rap_ms:
+        rap.meta |= common | {"cpu_choice": "rap: RAP's schedule is predicted no slower than the whole batch "
+                                            "started at any stage"}
+        return rap
+    spans = STAGES[STAGES.index(best):]
+    meta = {k: v for k, v in rap.meta.items() if k not in ("unhidden_ms", "predicted_iteration_ms")}
+    total = sum(per_group.values())
+    shares = {g: (ms / total if total > 0 else 1.0 / len(per_group)) * whole_ms for g, ms in per_group.items()}
+    return whole_kernel_schedule(compiled, best, shares, meta=meta | common | {
+        "source": f"whole batch from stage {best!r} on the co-run thread (CPU), chosen over RAP's schedule "
+                  f"({starts[best]:.3f} vs {rap_ms:.3f} ms predicted) with {rap.meta.get('source', 'its profile')}",
+        "cpu_choice": f"whole from {best}: the co-run thread runs on through the later stages",
+        "predicted_iteration_ms": starts[best],
+        "unhidden_ms": max(0.0, whole_ms - sum(profile.capacity_ms[s] for s in spans)),
+        "predicted_by": "recforge.rap.planning.simulator.corun_thread_iteration_ms over the stage profile"})
 
 
 def batch_scaled(timer: GroupTimer, compiled: CompiledPlan, whole_ms: float) -> GroupTimer:

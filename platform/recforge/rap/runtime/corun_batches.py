@@ -103,7 +103,10 @@ class CorunTaskBatches(CorunReadAhead, TaskBatches):
         self._init_corun(runtime, step_boundary, step_done)
 
     def prepare(self, raw: RawBatch) -> CorunBatch:
-        padded, weights = raw.pad_to(self.batch_size)
+        if raw.rows == self.batch_size:  # a full batch: nothing to pad, no copy (the co-run thread only reads it)
+            padded, weights = raw, torch.ones(self.batch_size, dtype=torch.float32)
+        else:
+            padded, weights = raw.pad_to(self.batch_size)
         return CorunBatch(dense=None, sparse=None, labels=padded.label.to(self.device),  # type: ignore[arg-type]  # filled by complete()
                           weights=weights.to(self.device), real=raw.rows,
                           pending=self.runtime.launch(padded))  # the runtime copies it to the device
