@@ -192,3 +192,26 @@ def test_the_pair_check_times_both_threads(bench):
     assert set(r) >= {"step_alone_ms", "step_beside_executor_ms", "executor_alone_ms", "executor_beside_steps_ms"}
     assert all(v > 0 for v in r.values())
     assert r["step_slowdown"] == pytest.approx(r["step_beside_executor_ms"] / r["step_alone_ms"])
+
+
+def test_the_step_clock_keeps_each_step_and_the_steady_state_leaves_out_each_epochs_first(bench):
+    clocks = []
+    for first in (50.0, 70.0):  # two epochs: a slow first step (the co-run's fill), then 3 steady ones
+        clock = bench.StepClock()
+        for ms in (first, 10.0, 12.0, 11.0):
+            clock._t -= ms / 2e3  # half the step in data, half in forward, then coordination ends the step
+            clock.mark("data")
+            clock._t -= ms / 2e3
+            clock.mark("forward")
+            clock.mark("coordination")
+        assert len(clock.steps_ms) == 4 and clock.steps == 0  # PhaseTimes' own counter is the loop's to advance
+        assert sum(clock.steps_ms[0].values()) == pytest.approx(first, abs=0.5)
+        clocks.append(clock)
+    assert bench.steady_ms(clocks) == pytest.approx(11.0, abs=0.5)  # median of 10, 12, 11, 10, 12, 11
+    phases = bench.phase_ms(clocks)
+    assert phases["data"] == pytest.approx(5.5, abs=0.3) and phases["forward"] == pytest.approx(5.5, abs=0.3)
+    assert phases["backward"] == 0.0
+    one = bench.StepClock()
+    one.mark("coordination")
+    with pytest.raises(ValueError, match="more than one step"):
+        bench.steady_ms([one])
