@@ -3,6 +3,7 @@ its rows were trained; progress() never counts rows read ahead; a failing read s
 loop over it trains exactly what the synchronous loop trains, on 2 ranks whose data runs out at different steps."""
 from __future__ import annotations
 
+import os
 import threading
 from datetime import timedelta
 
@@ -60,6 +61,29 @@ def test_rows_once_done_after_trained_and_progress_excludes_read_ahead(manifest_
         ("done", "t0", 50), ("done", "t2", 70), ("done", "t3", 10)]
     assert ("done", "t1", 0) in client.events
     assert src.tasks_done == 3 and src.next_step() is None
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_idle_priority_applies_to_the_reading_thread_only(manifest_dir):
+    tasks = [task(0, 0, 0, 50)]
+    seen: list[int] = []
+
+    class Recording(TaskBatches):
+        def next(self):
+            seen.append(os.sched_getscheduler(0))  # pid 0: the calling thread
+            return super().next()
+
+    client = FakeClient(tasks)
+    inner = Recording(client, manifest_dir, DS, TorchExecutor(criteo_plan(DS, table_cap=16), DS), batch_size=32,
+                      device=CPU)
+    src = PrefetchBatches(inner, depth=2, idle_priority=True)
+    got = 0
+    while (step := src.next_step()) is not None:
+        got += step.real
+        src.trained(step.micro[0])
+    src.close()
+    assert got == 50 and seen and set(seen) == {os.SCHED_IDLE}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the trainer's thread keeps its policy
 
 
 def test_accumulation_steps_and_read_failure(manifest_dir):

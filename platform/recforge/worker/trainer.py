@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 PROBE_FILE = "probe.pt"
 # overrides train.prefetch_steps (profiling without a new config); the result records the depth that ran
 PREFETCH_ENV = "RECFORGE_TRAIN_PREFETCH"
+PREFETCH_SCHED_ENV = "RECFORGE_PREFETCH_SCHED"  # "idle": the reading thread under SCHED_IDLE (bench side)
 PHASES_ENV = "RECFORGE_STEP_PHASES"  # a directory: each rank writes its step loop's time per phase there (profiling)
 # with the prefetch thread, the training thread waits for the GIL after each C++ op the thread overlapped; Python's
 # default 5 ms switch interval would add up to that per wait (the convoy effect), so the worker switches faster
@@ -253,7 +254,8 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
             source = epoch_source(spec, corun, client, executor, micro, device, ledger)  # by spec.preprocessing
             if depth:  # lease, read, preprocess and the step's counts ahead; done reports off the step's path
                 source = PrefetchBatches(source, accumulation=accumulation, depth=depth, group=side_group,
-                                         world_size=world_size)
+                                         world_size=world_size,
+                                         idle_priority=os.environ.get(PREFETCH_SCHED_ENV, "") == "idle")
             current["source"] = source
             resume = start.current if start.current is not None and start.current.epoch == epoch else None
             common: dict[str, Any] = dict(epoch=epoch, world_size=world_size, log_every=spec.train.log_every,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -66,13 +67,14 @@ class PrefetchBatches:
 
     def __init__(self, source: StepSource, *, accumulation: int = 1, depth: int = 2,
                  group: dist.ProcessGroup | None = None, world_size: int = 1,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, idle_priority: bool = False) -> None:
         if accumulation < 1 or depth < 1:
             raise ValueError(f"PrefetchBatches: accumulation ({accumulation}) and depth ({depth}) must be >= 1")
         if world_size > 1 and group is None:
             raise ValueError("PrefetchBatches: world_size > 1 needs the process group of the per-step all_reduce")
         self.source, self.accumulation, self.depth = source, accumulation, depth
         self.group, self.world_size, self.timeout_s = group, world_size, timeout_s
+        self.idle_priority = idle_priority  # the thread under SCHED_IDLE: it runs when its rank's cores would idle
         self._ready: queue.Queue[Step | None | _Failed] = queue.Queue()
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -220,6 +222,12 @@ class PrefetchBatches:
         return self._ended or self._produced - self._taken_seen >= self.depth
 
     def _run(self) -> None:
+        if self.idle_priority:
+            try:  # pid 0: this thread only (Linux schedules threads; the trainer's thread keeps its policy)
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            except (AttributeError, OSError) as e:  # not Linux, or not allowed: the thread runs at normal priority
+                log.warning("PrefetchBatches: SCHED_IDLE not set on the reading thread (%r)", e)
+                self.idle_priority = False
         c0 = time.thread_time()
         try:
             self._loop()
