@@ -76,17 +76,19 @@ def cpu_start_choice(rap: CorunSchedule, compiled: CompiledPlan, profile: StageP
     """On a CPU the co-run thread has a core of its own and its work runs on through the stages after the one it
     starts in, which RAP's per-stage model does not see: RAP's schedule (`rap`, predicted by the simulator) against
     the whole batch (`whole_ms`, one executor call: the single pass where the executor has one) started at each
-    stage (simulator.corun_thread_iteration_ms). The schedule predicted fastest wins; on a tie RAP's, then the
-    earlier stage. The meta records both predictions and the choice; a whole schedule's groups are predicted at
-    their shares of `whole_ms` (by `per_group`, their grouped times)."""
+    stage (simulator.corun_thread_iteration_ms). The schedule predicted fastest wins; on a tie the whole batch from
+    the earliest such stage, which leaves the most spare capacity for kernels that take longer than predicted (RAP's
+    packing fills the stages it takes, and what spills is waited for). The meta records both predictions and the
+    choice; a whole schedule's groups are predicted at their shares of `whole_ms` (by `per_group`, their grouped
+    times)."""
     rap_ms = float(rap.meta["predicted_iteration_ms"])
     # rounded as the simulator's predictions are (simulated_iteration_ms)
     starts = {s: round(corun_thread_iteration_ms(profile.stage_ms, profile.capacity_ms, whole_ms, s), 4)
               for s in STAGES}
     best = min(STAGES, key=lambda s: (starts[s], STAGES.index(s)))
     common = {"rap_schedule_iteration_ms": rap_ms, "whole_start_iteration_ms": starts}
-    if starts[best] >= rap_ms:
-        rap.meta |= common | {"cpu_choice": "rap: RAP's schedule is predicted no slower than the whole batch "
+    if starts[best] > rap_ms:
+        rap.meta |= common | {"cpu_choice": "rap: RAP's schedule is predicted faster than the whole batch "
                                             "started at any stage"}
         return rap
     spans = STAGES[STAGES.index(best):]
