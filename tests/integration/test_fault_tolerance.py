@@ -69,7 +69,10 @@ def run_job(data, run: Path, *, workers=2, max_restarts=0, faults=None, resume=F
 
     res = ResourceConfig(policy="static", workers=workers, threads_per_worker=1, max_restarts=max_restarts)
     env = {"RECFORGE_FAULTS": json.dumps(faults)} if faults else {}
-    backend = LocalBackend(max_restarts=0, log_dir=run / "job", env=env, monitor_interval_s=0.5)
+    # stop_grace_s: a group killed as hung has a SIGSTOPped rank that only SIGKILL ends; the pipeline's 10 s grace
+    # (torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT too) was 10 s of the OOM-then-hang test. No rank handles SIGTERM
+    # (a rescale stops through the job master, not by a signal), so a live rank ends at once either way.
+    backend = LocalBackend(max_restarts=0, log_dir=run / "job", env=env, monitor_interval_s=0.5, stop_grace_s=3.0)
     shard_rows = [s.rows for s in Manifest.load(data["root"] / "train").shards]
     return run_training_job(spec_for(data, run, spec_extra, **(recovery or {})), shard_rows, resources=res,
                             state_dir=run / "job", policy=StaticPolicy(res, cpu_count=2), backend=backend,

@@ -75,6 +75,7 @@ def _client_env(url: str, user: str | None, password: str | None) -> dict[str, s
     return env
 
 
+SETUP_DONE = "--- setup done ---"
 # as the admin: another user; then each user tries to write the registered model (credentials are read per request)
 PROBE = """
 import json, os
@@ -101,25 +102,25 @@ def test_only_the_pipeline_user_writes_the_registered_model(server):
     script = config_map["data"]["mlflow_auth_setup.py"]
     env = _client_env(server, "admin", "admin-pw-for-this-test")
     env.update(PIPELINE_USERNAME="recforge-pipeline", PIPELINE_PASSWORD="pipeline-pw-for-this-test")
-    # twice in one process: the Job is idempotent (a retry, a password rotation)
+    users = [("recforge-pipeline", "pipeline-pw-for-this-test"), ("analyst", "analyst-pw-for-this-test"),
+             ("recforge-pipeline", "wrong-password")]
+    env["PROBE_USERS"] = json.dumps(users)
+    # twice in one process: the Job is idempotent (a retry, a password rotation); then the probe in that same process
+    # (the admin's credentials still in its environment: one MLflow import, not two)
     twice = f"script = {script!r}\n" + "exec(compile(script, 'setup', 'exec'), {})\n" * 2
-    out = subprocess.run([sys.executable, "-c", twice], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", twice + f"print({SETUP_DONE!r})\n" + PROBE], env=env,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "created user recforge-pipeline" in out.stdout and "password reset" in out.stdout
-    assert out.stdout.count("MANAGE on registered model recforge-dlrm") == 2
+    setup_out, probe_out = out.stdout.split(SETUP_DONE + "\n")
+    assert "created user recforge-pipeline" in setup_out and "password reset" in setup_out
+    assert setup_out.count("MANAGE on registered model recforge-dlrm") == 2
     # the Job runs that very script with the same variables
     (c,) = job["spec"]["template"]["spec"]["containers"]
     assert c["args"] == ["python", "/setup/mlflow_auth_setup.py"]
     assert {"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "PIPELINE_USERNAME",
             "PIPELINE_PASSWORD"} <= {e["name"] for e in c["env"]}
 
-    users = [("recforge-pipeline", "pipeline-pw-for-this-test"), ("analyst", "analyst-pw-for-this-test"),
-             ("recforge-pipeline", "wrong-password")]
-    probe = subprocess.run([sys.executable, "-c", PROBE], env={**_client_env(server, "admin", "admin-pw-for-this-test"),
-                                                                "PROBE_USERS": json.dumps(users)},
-                           capture_output=True, text=True, timeout=300)
-    assert probe.returncode == 0, probe.stderr[-3000:]
-    got = json.loads(probe.stdout.strip().splitlines()[-1])
+    got = json.loads(probe_out.strip().splitlines()[-1])
     assert got["recforge-pipeline:pipeline-pw-for-this-test"] == "WROTE"
     assert got["analyst:analyst-pw-for-this-test"] == "PERMISSION_DENIED"
     assert got["recforge-pipeline:wrong-password"] not in ("WROTE", None)
