@@ -172,7 +172,7 @@ def test_a_failed_profiling_rank_ends_the_others_at_once():
         slow.wait()
 
 
-# ------------------------------------------------------------------ CPU: RAP's schedule or the whole batch from a stage
+# ------------------------------------------------------------------ CPU: the whole batch from the first stage
 
 
 def _rap_like(compiled, predicted_ms: float):
@@ -190,55 +190,49 @@ def _capacity_profile(capacity: dict[str, float], device: str = "cpu") -> StageP
                         threshold=0.1)
 
 
-def test_on_a_cpu_the_whole_batch_from_the_stage_that_hides_it_beats_a_schedule_that_does_not():
-    from recforge.rap.planning.job_schedule import cpu_start_choice
+def test_a_cpus_co_run_thread_runs_the_whole_batch_from_the_first_stage_with_raps_schedule_recorded():
+    from recforge.rap.planning.job_schedule import cpu_schedule
 
     compiled = compile_plan(PLAN)
     ideal = sum(STAGE_MS.values())
-    # room in the three first stages only (1 ms each): 2.5 ms started at emb_fwd runs on through mlp_fwd and mlp_bwd
+    # room in three stages (1 ms each): 2.5 ms started at emb_fwd runs on through mlp_fwd and mlp_bwd
     profile = _capacity_profile({"emb_fwd": 1.0, "mlp_fwd": 1.0, "mlp_bwd": 1.0, "emb_bwd": 0.0, "allreduce": 0.0})
     per_group = {g.name: nodes_cost(compiled, g) for g in compiled.groups}
-    chosen = cpu_start_choice(_rap_like(compiled, ideal + 1.0), compiled, profile, 2.5, per_group)
-    assert {a.stage for a in chosen.assignments} == {"emb_fwd"}
-    assert [a.group for a in chosen.assignments] == [g.name for g in compiled.groups]
-    assert chosen.meta["predicted_iteration_ms"] == pytest.approx(ideal) and chosen.meta["unhidden_ms"] == 0.0
-    assert chosen.meta["rap_schedule_iteration_ms"] == ideal + 1.0
-    assert chosen.meta["whole_start_iteration_ms"]["mlp_fwd"] == pytest.approx(ideal + 0.5)  # 2 ms of room left
-    assert chosen.meta["whole_start_iteration_ms"]["allreduce"] == pytest.approx(ideal + 2.5)  # none
-    assert chosen.meta["cpu_choice"].startswith("whole from emb_fwd")
-    assert chosen.meta["simulated_iteration_ms"]["ideal"] == ideal  # the simulator's numbers stay for MLflow
+    got = cpu_schedule(_rap_like(compiled, ideal + 1.0), compiled, profile, 2.5, per_group)
+    assert {a.stage for a in got.assignments} == {"emb_fwd"}
+    assert [a.group for a in got.assignments] == [g.name for g in compiled.groups]
+    assert got.meta["predicted_iteration_ms"] == pytest.approx(ideal) and got.meta["unhidden_ms"] == 0.0
+    assert got.meta["whole_start_iteration_ms"]["mlp_fwd"] == pytest.approx(ideal + 0.5)  # 2 ms of room from there
+    assert got.meta["whole_start_iteration_ms"]["allreduce"] == pytest.approx(ideal + 2.5)  # none
+    assert got.meta["rap_schedule_iteration_ms"] == ideal + 1.0 and got.meta["rap_schedule_unhidden_ms"] == 1.0
+    assert got.meta["rap_schedule_stages"] == ["allreduce"]
+    assert got.meta["cpu_schedule"].startswith("whole from emb_fwd") and "RAP scheduler" in got.meta["source"]
+    assert got.meta["simulated_iteration_ms"]["ideal"] == ideal  # the simulator's numbers stay for MLflow
     # the groups' predictions are their shares of the whole batch, in proportion to their grouped times
-    assert sum(a.predicted_ms for a in chosen.assignments) == pytest.approx(2.5)
+    assert sum(a.predicted_ms for a in got.assignments) == pytest.approx(2.5)
     total = sum(per_group.values())
-    assert chosen.assignments[0].predicted_ms == pytest.approx(per_group[compiled.groups[0].name] / total * 2.5)
-    # 3.5 ms: 0.5 ms unhidden from emb_fwd; RAP's schedule predicted 0.4 ms unhidden is kept, 0.5 ms is a tie,
-    # which the whole batch wins (it leaves more room for kernels slower than predicted)
-    rap = _rap_like(compiled, ideal + 0.4)
-    assert cpu_start_choice(rap, compiled, profile, 3.5, per_group) is rap
-    assert rap.meta["cpu_choice"].startswith("rap") and rap.meta["predicted_iteration_ms"] == ideal + 0.4
-    tie = cpu_start_choice(_rap_like(compiled, ideal + 0.5), compiled, profile, 3.5, per_group)
-    assert tie.meta["cpu_choice"].startswith("whole from emb_fwd") and tie.meta["unhidden_ms"] == pytest.approx(0.5)
+    assert got.assignments[0].predicted_ms == pytest.approx(per_group[compiled.groups[0].name] / total * 2.5)
+    # more work than all the room: the excess is predicted unhidden
+    over = cpu_schedule(_rap_like(compiled, ideal + 1.0), compiled, profile, 3.5, per_group)
+    assert over.meta["unhidden_ms"] == pytest.approx(0.5)
+    assert over.meta["predicted_iteration_ms"] == pytest.approx(ideal + 0.5)
+    # the first stage is never predicted slower than a later start, whatever the capacities
+    for caps in ({s: 0.0 for s in STAGES}, {s: 1e3 for s in STAGES}, {**{s: 0.0 for s in STAGES}, "allreduce": 9.0}):
+        starts = cpu_schedule(_rap_like(compiled, ideal), compiled, _capacity_profile(caps), 2.5,
+                              per_group).meta["whole_start_iteration_ms"]
+        assert starts["emb_fwd"] == min(starts.values())
 
 
-def test_on_a_tie_between_stages_the_earliest_start_is_chosen():
-    from recforge.rap.planning.job_schedule import cpu_start_choice
-
-    compiled = compile_plan(PLAN)
-    profile = _capacity_profile(dict.fromkeys(STAGES, 1e3))  # every start hides everything
-    per_group = {g.name: 1.0 for g in compiled.groups}
-    chosen = cpu_start_choice(_rap_like(compiled, sum(STAGE_MS.values()) + 0.1), compiled, profile, 2.0, per_group)
-    assert {a.stage for a in chosen.assignments} == {"emb_fwd"}
-
-
-def test_plan_schedule_keeps_raps_schedule_on_a_gpu_profile_and_chooses_on_a_cpu_one():
-    capacity = {"emb_fwd": 1e3, "mlp_fwd": 0.0, "mlp_bwd": 0.0, "emb_bwd": 0.0, "allreduce": 0.0}
+def test_plan_schedule_keeps_raps_schedule_on_a_gpu_profile_and_runs_the_whole_batch_on_a_cpu_one():
+    capacity = {"emb_fwd": 0.0, "mlp_fwd": 0.0, "mlp_bwd": 0.0, "emb_bwd": 0.0, "allreduce": 1e3}
     gpu = plan_schedule(PLAN, DS, MODEL, world_size=1, batch_size=64, stage="emb_bwd", profile_dir=None,
                         profile=_capacity_profile(capacity, "cuda"))
-    assert "cpu_choice" not in gpu.meta and gpu.meta["source"].startswith("RAP scheduler")
+    assert "cpu_schedule" not in gpu.meta and gpu.meta["source"].startswith("RAP scheduler")
+    assert {a.stage for a in gpu.assignments} == {"allreduce"}  # RAP packs everything into the one stage with room
     cpu = plan_schedule(PLAN, DS, MODEL, world_size=1, batch_size=64, stage="emb_bwd", profile_dir=None,
                         profile=_capacity_profile(capacity, "cpu"))
-    # everything fits emb_fwd's room either way: both predict the ideal step; the tie goes to the whole batch
-    assert cpu.meta["cpu_choice"].startswith("whole from emb_fwd")
-    assert {a.stage for a in cpu.assignments} == {"emb_fwd"}
+    assert cpu.meta["cpu_schedule"].startswith("whole from emb_fwd")
+    assert {a.stage for a in cpu.assignments} == {"emb_fwd"} and cpu.meta["rap_schedule_stages"] == ["allreduce"]
+    # started at emb_fwd the batch runs on into the all-reduce window's room: nothing unhidden, as RAP's schedule
     assert cpu.meta["predicted_iteration_ms"] == pytest.approx(sum(STAGE_MS.values()), abs=1e-3)
     assert cpu.meta["rap_schedule_iteration_ms"] == pytest.approx(sum(STAGE_MS.values()), abs=1e-3)

@@ -266,8 +266,9 @@ def test_plan_schedule_uses_a_stored_profile_else_one_stage(tmp_path):
     StageProfile(key=key, stage_ms=stage_ms, capacity_units={s: 1 for s in STAGES}, capacity_ms=capacity,
                  unit_ms=0.01, threshold=0.02).save(tmp_path)
     planned = plan_schedule(PLAN, DS, model, world_size=2, batch_size=64, stage="emb_bwd", profile_dir=tmp_path)
-    # RAP's schedule (everything in the all-reduce window) and the whole batch from emb_fwd both hide everything:
-    # on a CPU the tie goes to the whole batch from emb_fwd (job_schedule.cpu_start_choice)
+    # RAP's schedule: everything in the all-reduce window, nothing unhidden; on a CPU the co-run thread runs the
+    # whole batch from emb_fwd instead (job_schedule.cpu_schedule), which runs on into that window
+    assert planned.meta["rap_schedule_stages"] == ["allreduce"]
     assert planned.meta["rap_schedule_iteration_ms"] == pytest.approx(sum(stage_ms.values()))  # nothing unhidden
     assert {a.stage for a in planned.assignments} == {"emb_fwd"}
     assert planned.meta["predicted_iteration_ms"] == pytest.approx(sum(stage_ms.values()))

@@ -60,8 +60,8 @@ def plan_schedule(plan: Plan, dataset: DatasetConfig, model: ModelConfig, world_
                                           "data_parallel (each worker preprocesses its local batch, as the workers "
                                           "do); no input all-to-all term (not in a single-process profile)")
             if profile.key.device == "cpu":
-                return cpu_start_choice(sched, compiled, profile, batch_ms(executor, dataset, batch_size),
-                                        {g.name: cost(g) for g in compiled.groups})
+                return cpu_schedule(sched, compiled, profile, batch_ms(executor, dataset, batch_size),
+                                    {g.name: cost(g) for g in compiled.groups})
             return sched
         per_group = {g.name: cost(g) for g in compiled.groups}
         return whole_kernel_schedule(compiled, stage, per_group, meta={
@@ -71,37 +71,34 @@ def plan_schedule(plan: Plan, dataset: DatasetConfig, model: ModelConfig, world_
         torch.set_num_threads(before)
 
 
-def cpu_start_choice(rap: CorunSchedule, compiled: CompiledPlan, profile: StageProfile, whole_ms: float,
-                     per_group: dict[str, float]) -> CorunSchedule:
-    """On a CPU the co-run thread has a core of its own and its work runs on through the stages after the one it
-    starts in, which RAP's per-stage model does not see: RAP's schedule (`rap`, predicted by the simulator) against
-    the whole batch (`whole_ms`, one executor call: the single pass where the executor has one) started at each
-    stage (simulator.corun_thread_iteration_ms). The schedule predicted fastest wins; on a tie the whole batch from
-    the earliest such stage, which leaves the most spare capacity for kernels that take longer than predicted (RAP's
-    packing fills the stages it takes, and what spills is waited for). The meta records both predictions and the
-    choice; a whole schedule's groups are predicted at their shares of `whole_ms` (by `per_group`, their grouped
-    times)."""
-    rap_ms = float(rap.meta["predicted_iteration_ms"])
+def cpu_schedule(rap: CorunSchedule, compiled: CompiledPlan, profile: StageProfile, whole_ms: float,
+                 per_group: dict[str, float]) -> CorunSchedule:
+    """The schedule a CPU's co-run thread runs: the whole batch (`whole_ms`, one executor call: the single pass where
+    the executor has one) from the step's first stage. The thread has a core of its own and its work runs on through
+    the stages after the one it starts in, so it is hidden up to the summed capacity of that stage and every later
+    one (simulator.corun_thread_iteration_ms), which the first stage maximizes: no start later in the step, and no
+    packing of RAP's (`rap`: its per-stage model confines a stage's excess to that stage, and what spills past the
+    last stage it takes is waited for), is predicted to hide more. RAP's schedule stays in the meta for comparison
+    (`rap_schedule_*`), with the prediction of every start stage; the groups are predicted at their shares of
+    `whole_ms` (by `per_group`, their grouped times)."""
+    start = STAGES[0]
     # rounded as the simulator's predictions are (simulated_iteration_ms)
     starts = {s: round(corun_thread_iteration_ms(profile.stage_ms, profile.capacity_ms, whole_ms, s), 4)
               for s in STAGES}
-    best = min(STAGES, key=lambda s: (starts[s], STAGES.index(s)))
-    common = {"rap_schedule_iteration_ms": rap_ms, "whole_start_iteration_ms": starts}
-    if starts[best] > rap_ms:
-        rap.meta |= common | {"cpu_choice": "rap: RAP's schedule is predicted faster than the whole batch "
-                                            "started at any stage"}
-        return rap
-    spans = STAGES[STAGES.index(best):]
-    meta = {k: v for k, v in rap.meta.items() if k not in ("unhidden_ms", "predicted_iteration_ms")}
+    rap_ms = float(rap.meta["predicted_iteration_ms"])
+    meta = {k: v for k, v in rap.meta.items() if k not in ("unhidden_ms", "predicted_iteration_ms", "source")}
     total = sum(per_group.values())
     shares = {g: (ms / total if total > 0 else 1.0 / len(per_group)) * whole_ms for g, ms in per_group.items()}
-    return whole_kernel_schedule(compiled, best, shares, meta=meta | common | {
-        "source": f"whole batch from stage {best!r} on the co-run thread (CPU), chosen over RAP's schedule "
-                  f"({starts[best]:.3f} vs {rap_ms:.3f} ms predicted) with {rap.meta.get('source', 'its profile')}",
-        "cpu_choice": f"whole from {best}: the co-run thread runs on through the later stages",
-        "predicted_iteration_ms": starts[best],
-        "unhidden_ms": max(0.0, whole_ms - sum(profile.capacity_ms[s] for s in spans)),
-        "predicted_by": "recforge.rap.planning.simulator.corun_thread_iteration_ms over the stage profile"})
+    return whole_kernel_schedule(compiled, start, shares, meta=meta | {
+        "source": f"whole batch from {start} on the co-run thread (CPU); RAP's schedule ({rap.meta.get('source')}) "
+                  "recorded beside it",
+        "cpu_schedule": f"whole from {start}: the co-run thread runs on through the later stages",
+        "predicted_iteration_ms": starts[start],
+        "unhidden_ms": max(0.0, whole_ms - sum(profile.capacity_ms.values())),
+        "predicted_by": "recforge.rap.planning.simulator.corun_thread_iteration_ms over the stage profile",
+        "whole_start_iteration_ms": starts, "rap_schedule_iteration_ms": rap_ms,
+        "rap_schedule_unhidden_ms": rap.meta.get("unhidden_ms"),
+        "rap_schedule_stages": sorted({a.stage for a in rap.assignments}, key=STAGES.index)})
 
 
 def batch_scaled(timer: GroupTimer, compiled: CompiledPlan, whole_ms: float) -> GroupTimer:
