@@ -11,6 +11,7 @@ import random
 import numpy as np
 import pytest
 
+from recforge.elastic.optimizer import PodPlan
 from recforge.elastic.optimizer.models import throughput_model as tm
 from recforge.elastic.optimizer.models.throughput_model import (
     LOCAL_CANDIDATES,
@@ -219,15 +220,57 @@ def test_optimus_runs_the_same_with_the_models_refitted_one_by_one(monkeypatch, 
     assert _same(fast, ref)
 
 
+def _bucket_bound_brute(cl: Cluster, c: float, m: float) -> float:
+    """How many identical pods of (c cores, m bytes) the bucket bound lets through, counted plainly node by node from
+    the nodes' actual free cores and memory (not from the cluster's histograms): each node's free cores rounded up to
+    whole cores and its free memory up to whole GiB (clamped to the node's size + 1), and as many pods as those
+    rounded-up amounts hold (the margins `_vc` / `_vm` add); summed over the nodes, the smaller of the two counts."""
+    if not cl.bound:
+        return math.inf
+    top_c = math.ceil(cl.spec.cpu_per_node) + 1
+    top_m = math.ceil(cl.spec.memory_per_node / GiB) + 1
+    lim: float = math.inf
+    if c > 0:
+        n_c = 0
+        for f in cl.free_cpu.tolist():
+            cores = min(max(math.ceil(f - 1e-7), 0), top_c)
+            n_c += math.floor((cores + 1e-6) / c)
+        lim = n_c
+    if m > 0:
+        n_m = 0
+        for f in cl.free_mem.tolist():
+            gib = min(max(math.ceil((f - 1e-3) / GiB), 0), top_m)
+            n_m += math.floor((gib * GiB + 1.0) / m)
+        lim = min(lim, n_m)
+    return lim
+
+
+def _pods_that_fit(cl: Cluster, c: float, m: float, cap: int = 10_000) -> int:
+    """How many identical pods of (c cores, m bytes) the nodes really hold (`_first_fit`'s per-node count)."""
+    total = 0
+    for fc, fm in zip(cl.free_cpu.tolist(), cl.free_mem.tolist(), strict=True):
+        if fc >= c - 1e-9 and fm >= m - 1e-3:
+            k = cap
+            if c > 0:
+                k = min(k, int((fc + 1e-9) // c))
+            if m > 0:
+                k = min(k, int((fm + 1e-3) // m))
+            total += k
+    return total
+
+
 @pytest.mark.parametrize("bound", [True, False])
 def test_fit_limit_refuses_what_refuses_refuses(bound):
-    """The scheduling pass's check (the free totals, then `fit_limit`) against `Cluster.refuses`, through 500 random
-    placements and releases (pods of zero cores or memory too)."""
+    """`Cluster.fit_limit` equals a plain node-by-node count of the bucket bound over the nodes' actual free capacity
+    (so the histograms it reads are in step with the nodes, and `_may_fit` / `refuses`, which read it, refuse by the
+    bound), is never below what really fits, and the scheduling pass's check (the free totals, then `fit_limit`)
+    refuses what `Cluster.refuses` refuses, through 500 random placements and releases (pods of zero cores or memory
+    too)."""
     cl = Cluster(ClusterSpec(nodes=30, cpu_per_node=32.0, memory_per_node=128 * GiB), bound=bound)
     rng = random.Random(7)
     placed: list = []
     shapes = [(c, m * GiB) for c in (0.0, 0.5, 1.0, 2.0, 3.3, 8.0, 16.0) for m in (0.0, 1.0, 2.5, 8.0, 30.0)]
-    checked = refused = 0
+    checked = refused = bounded = 0
     for _ in range(500):
         if placed and rng.random() < 0.4:
             pods, where = placed.pop(rng.randrange(len(placed)))
@@ -240,14 +283,89 @@ def test_fit_limit_refuses_what_refuses_refuses(bound):
         for _ in range(6):
             c, m = rng.choice(shapes)
             n = rng.randint(1, 120)
-            got = (c * n > cl.free_cpu_total + 1e-6 or m * n > cl.free_mem_total + 1.0
-                   or n > cl.fit_limit(c, m))
+            lim = cl.fit_limit(c, m)
+            assert lim == _bucket_bound_brute(cl, c, m), (c, m)
+            if c > 0 or m > 0:
+                assert lim >= _pods_that_fit(cl, c, m), (c, m)  # a bound: never refuses what fits
+            got = (c * n > cl.free_cpu_total + 1e-6 or m * n > cl.free_mem_total + 1.0 or n > lim)
             assert got == cl.refuses(c, m, n), (c, m, n)
             checked += 1
             refused += got
+            # refused by the bound alone (the free totals let them through)
+            bounded += (n > lim and c * n <= cl.free_cpu_total + 1e-6 and m * n <= cl.free_mem_total + 1.0)
     assert 0 < refused < checked
-    if not bound:
-        assert cl.fit_limit(1.0, GiB) == math.inf
+    if bound:
+        assert bounded > 0
+    else:
+        assert bounded == 0 and cl.fit_limit(1.0, GiB) == math.inf
+
+
+def _placements_logged(sim: Simulation) -> list:
+    """Record every `place` a scheduling pass asks of the cluster (the real placement runs): (pods, whether
+    `Cluster.refuses` refused them beforehand, for a workers-only job; None for mixed shapes)."""
+    cl, log = sim.cluster, []
+    real_place, real_pass = cl.place, sim._schedule_pending
+    in_pass = [False]
+
+    def place(pods):
+        if in_pass[0]:
+            one = bool(pods) and pods.count(pods[0]) == len(pods)
+            log.append((pods, cl.refuses(pods[0][0], pods[0][1], len(pods)) if one else None))
+        return real_place(pods)
+
+    def schedule_pending(t):
+        in_pass[0] = True
+        try:
+            return real_pass(t)
+        finally:
+            in_pass[0] = False
+    cl.place = place  # type: ignore[method-assign]
+    sim._schedule_pending = schedule_pending  # type: ignore[method-assign]
+    return log
+
+
+def test_scheduling_pass_refuses_by_free_memory_without_placing():
+    """The pass's inline refusal compares a workers-only job's memory with the free memory total: a job that only
+    that comparison refuses (its cores fit, the roomiest node holds one pod, the bucket bound lets it through) is a
+    miss without a `place` call. (`place` would refuse it too, so dropping the comparison changes no decision, only
+    this.)"""
+    trace = generate_trace(TraceParams(shape="torchrec", n_jobs=3, arrival_window_h=1.0), seed=3)
+    sim = Simulation(trace, make_policy("static"), ClusterSpec(nodes=4), SimParams(eviction_per_node_h=0.0), seed=3)
+    cl = sim.cluster
+    node_m = cl.spec.memory_per_node
+    # node 0: 1 GiB free; nodes 1-3: 0.3 GiB free (each node's memory bucket rounds up to 1 GiB); cores mostly free
+    fill = [(1.0, node_m - 1 * GiB)] + [(1.0, node_m - 0.3 * GiB)] * 3
+    assert [cl.place([pod]) for pod in fill] == [[0], [1], [2], [3]]
+    j = sim.trace[0]
+    sim._arrive(j.job_id, 0.0)
+    r = sim.runs[j.job_id]
+    assert r.status == "pending"
+    r.plan = PodPlan(workers=2, cpu_per_worker=1.0, memory_per_worker=1 * GiB)  # 2 GiB against 1.9 GiB free
+    sim._pend(r)
+    c, m, n = 1.0, 1 * GiB, 2
+    assert c * n <= cl.free_cpu_total and m <= float(cl.free_mem.max()) and n <= cl.fit_limit(c, m)
+    assert m * n > cl.free_mem_total + 1.0 and cl.refuses(c, m, n)
+    log = _placements_logged(sim)
+    sim._schedule_pending(0.0)
+    assert log == [] and r.status == "pending" and cl.place([(c, m)] * n) is None
+    # node 0 at 2.2 GiB free (3.1 GiB in all): the pass places the job
+    cl.release([(1.0, node_m - 1 * GiB)], [0])
+    assert cl.place([(1.0, node_m - 2.2 * GiB)]) == [0]
+    sim._schedule_pending(0.0)
+    assert len(log) == 1 and log[0][1] is False and r.status == "running"
+
+
+@pytest.mark.parametrize("policy", ["optimus", "static", "dlrover"])
+def test_scheduling_pass_places_only_what_refuses_lets_through(policy):
+    """Through whole runs: every workers-only job a scheduling pass hands to `place`, `Cluster.refuses` lets through
+    (the pass's inline check refused all the others, by cores, memory and the bucket bound)."""
+    tp = TraceParams(shape="torchrec", n_jobs=250, arrival_window_h=24.0)
+    sim = Simulation(generate_trace(tp, seed=5), make_policy(policy), ClusterSpec(nodes=8),
+                     SimParams(eviction_per_node_h=0.02), seed=5)
+    log = _placements_logged(sim)
+    sim.run()
+    one = [refused for _, refused in log if refused is not None]
+    assert len(one) > 50 and not any(one)
 
 
 def _cluster_walk(seed: int, nodes: int, steps: int = 700) -> list:

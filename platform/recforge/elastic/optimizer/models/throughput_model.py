@@ -643,6 +643,10 @@ class OnlineThroughputModel:
         self.status = f"fitted on {len(self.samples)} samples / {self.distinct_configs} configurations"
         return True
 
+    def _scalable(self) -> bool:
+        """True when `refit` would scale the prior to samples (what `refit_many` does together)."""
+        return bool(self.samples) and self.prior is not None and self.distinct_configs < self.min_points
+
     def _batchable(self) -> bool:
         """True when `refit` would take `_fit_columns`' path with a prior (what `refit_many` batches)."""
         return (bool(self.samples) and self.prior is not None and self.prior_strength > 0 and bool(self.terms)
@@ -669,14 +673,66 @@ def refit_many(models: Sequence[OnlineThroughputModel]) -> list[bool | ValueErro
     refit one by one. `tests/unit/test_simulate_speedups9.py` checks it against `refit` on random problems."""
     out: list[bool | ValueError] = [False] * len(models)
     groups: dict[tuple[str, ...], list[tuple[int, OnlineThroughputModel]]] = {}
+    scaled: list[tuple[int, OnlineThroughputModel]] = []
     for i, m in enumerate(models):
         if m._batchable():
             groups.setdefault(m.terms, []).append((i, m))
+        elif m._scalable():
+            scaled.append((i, m))
         else:
             out[i] = _refit_one(m)
+    if scaled:
+        _rescale_batch(scaled, out)
     for terms, items in groups.items():
         _refit_batch(terms, items, out)
     return out
+
+
+def _rescale_batch(items: list[tuple[int, OnlineThroughputModel]], out: list[bool | ValueError]) -> None:
+    """`refit_many`'s models whose refit scales the prior (`_scalable`): `refit`'s arithmetic with each job's ratios
+    and errors computed for all of them at once (one array of every job's prior predictions, one of its samples/s;
+    each job's median of its own slice, as `_median`, and its MAPE's sum over its own contiguous slice, as
+    `_mape_arrays`). A NaN ratio (`_median` takes np.median's path), or a scale that is not a normal positive float
+    (`refit` may raise): all of them one by one, as `refit` does."""
+    preds: list[float] = []
+    obs: list[float] = []
+    spans: list[tuple[int, int]] = []
+    for _, m in items:
+        m._since = 0
+        p = m._prior_predictions()  # (first: it brings `_thr` in step with the samples)
+        spans.append((len(preds), len(p)))
+        preds += p
+        obs += m._thr
+    pa, oa = np.array(preds), np.array(obs)
+    ra = pa / oa
+    ks: list[float] = []
+    if not np.isnan(ra).any():  # (a NaN ratio: `_median` takes np.median's path; samples set from outside)
+        ratio = ra.tolist()
+        for s, n in spans:
+            v = sorted(ratio[s:s + n])
+            k = float(v[n // 2]) if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+            if not 1e-300 < k < 1e300:
+                break
+            ks.append(k)
+    if len(ks) < len(items):
+        for i, m in items:  # (nothing changed yet: each as its own `refit`, in their order)
+            out[i] = _refit_one(m)
+        return
+    ks_rows = np.repeat(np.array(ks), [n for _, n in spans])
+    err = np.abs(pa / ks_rows - oa) / np.abs(oa)  # (`_mape_arrays(pred / k, obs)`'s elementwise part)
+    for (i, m), (s, n), k in zip(items, spans, ks, strict=True):
+        prior = m.prior
+        assert prior is not None
+        try:
+            model = ThroughputModel(prior.terms, tuple(c * k for c in prior.coef),
+                                    fit_mape=float(np.add.reduce(err[s:s + n]) / n), n_points=n,
+                                    meta={"source": "prior scaled"})
+        except ValueError as e:
+            out[i] = e
+            continue
+        m.model = model
+        m.status = f"prior scaled by {1 / k:.3f} ({m.distinct_configs} configuration(s) seen)"
+        out[i] = True
 
 
 def _refit_batch(terms: tuple[str, ...], items: list[tuple[int, OnlineThroughputModel]],
