@@ -10,7 +10,7 @@ from recforge.pipelines.dag_tasks import ParamError, config_from_params, default
 from recforge.pipelines.stages.train import log_prefetch
 from recforge.train.result import WorkerResult
 from recforge.train.spec import WorkerSpec
-from recforge.worker.trainer import PREFETCH_ENV, prefetch_depth
+from recforge.worker.trainer import PREFETCH_ENV, PREFETCH_SCHED_ENV, prefetch_depth, prefetch_sched
 
 
 def _spec(cfg: PipelineConfig, tmp_path) -> WorkerSpec:
@@ -123,3 +123,13 @@ def test_the_sparse_dist_pipeline_param_reaches_the_worker_and_the_env_overrides
         sparse_dist_pipeline(on, rank=0)
     with pytest.raises(ParamError, match="sparse_dist_pipeline"):
         config_from_params({"sparse_dist_pipeline": "yes please"})
+
+
+def test_the_prefetch_thread_runs_idle_by_default_and_a_bad_scheduling_is_named(monkeypatch):
+    monkeypatch.delenv(PREFETCH_SCHED_ENV, raising=False)
+    assert prefetch_sched() == "idle"
+    monkeypatch.setenv(PREFETCH_SCHED_ENV, "normal")
+    assert prefetch_sched() == "normal"
+    monkeypatch.setenv(PREFETCH_SCHED_ENV, "fifo")
+    with pytest.raises(ValueError, match="RECFORGE_PREFETCH_SCHED='fifo'"):
+        prefetch_sched()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -96,6 +96,9 @@ class WorkerResult(_Record):
     prefetch_steps: int | None = Field(
         None, ge=0, description="steps each rank prepared ahead on the prefetch thread as run: train.prefetch_steps, "
         "or env RECFORGE_TRAIN_PREFETCH; 0: the synchronous loop (RAP co-run always); None: not recorded")
+    prefetch_sched: Literal["idle", "normal"] | None = Field(
+        None, description="the prefetch thread's scheduling as run: idle (SCHED_IDLE, the default) or normal (env "
+        "RECFORGE_PREFETCH_SCHED=normal, or where SCHED_IDLE could not be set); None: no prefetch thread ran")
     sparse_dist_pipeline: bool | None = Field(
         None, description="whether the step loop ran TorchRec's TrainPipelineSparseDist (train.sparse_dist_pipeline "
         "or env RECFORGE_TRAIN_PIPELINE, where it applies); None: not recorded")

@@ -60,7 +60,10 @@ log = logging.getLogger(__name__)
 PROBE_FILE = "probe.pt"
 # overrides train.prefetch_steps (profiling without a new config); the result records the depth that ran
 PREFETCH_ENV = "RECFORGE_TRAIN_PREFETCH"
-PREFETCH_SCHED_ENV = "RECFORGE_PREFETCH_SCHED"  # "idle": the reading thread under SCHED_IDLE (bench side)
+# the prefetch thread's scheduling: "idle" (default: SCHED_IDLE, it takes a core only when nothing else of the rank
+# wants it, so it does not delay the rank's step and with it the other ranks' collectives) or "normal" (the A/B)
+PREFETCH_SCHED_ENV = "RECFORGE_PREFETCH_SCHED"
+PREFETCH_SCHEDS = ("idle", "normal")
 PHASES_ENV = "RECFORGE_STEP_PHASES"  # a directory: each rank writes its step loop's time per phase there (profiling)
 # with the prefetch thread, the training thread waits for the GIL after each C++ op the thread overlapped; Python's
 # default 5 ms switch interval would add up to that per wait (the convoy effect), so the worker switches faster
@@ -84,6 +87,14 @@ def prefetch_depth(spec: WorkerSpec, corun: bool) -> int:
     if depth != spec.train.prefetch_steps:
         log.warning("%s=%d overrides train.prefetch_steps=%d", PREFETCH_ENV, depth, spec.train.prefetch_steps)
     return depth
+
+
+def prefetch_sched() -> str:
+    """The prefetch thread's scheduling, env RECFORGE_PREFETCH_SCHED: "idle" (default) or "normal"."""
+    raw = os.environ.get(PREFETCH_SCHED_ENV, "").strip() or PREFETCH_SCHEDS[0]
+    if raw not in PREFETCH_SCHEDS:
+        raise ValueError(f"{PREFETCH_SCHED_ENV}={raw!r}: expected one of {list(PREFETCH_SCHEDS)}")
+    return raw
 
 
 def sparse_dist_pipeline(spec: WorkerSpec, rank: int) -> bool:
@@ -241,6 +252,8 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
                           batch_size=micro)  # RAP co-running, else None; created last: the try below closes it
     # the prefetch thread's per-step all_reduce runs on its own gloo group, beside the model's collectives
     side_group = dist.new_group(backend="gloo") if depth and world_size > 1 else None
+    sched = prefetch_sched()  # a bad value fails here, before training
+    ran_sched: str | None = None  # what the prefetch thread ran under (None: no prefetch thread)
     if depth:
         sys.setswitchinterval(PREFETCH_SWITCH_INTERVAL_S)
     phases = PhaseTimes() if os.environ.get(PHASES_ENV) else None
@@ -254,8 +267,7 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
             source = epoch_source(spec, corun, client, executor, micro, device, ledger)  # by spec.preprocessing
             if depth:  # lease, read, preprocess and the step's counts ahead; done reports off the step's path
                 source = PrefetchBatches(source, accumulation=accumulation, depth=depth, group=side_group,
-                                         world_size=world_size,
-                                         idle_priority=os.environ.get(PREFETCH_SCHED_ENV, "") == "idle")
+                                         world_size=world_size, idle_priority=sched == "idle")
             current["source"] = source
             resume = start.current if start.current is not None and start.current.epoch == epoch else None
             common: dict[str, Any] = dict(epoch=epoch, world_size=world_size, log_every=spec.train.log_every,
@@ -289,6 +301,8 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
         if corun is not None:
             corun.close()
     train_wall = time.perf_counter() - t_train
+    if isinstance(current["source"], PrefetchBatches):  # idle_priority is False where SCHED_IDLE could not be set
+        ran_sched = "idle" if current["source"].idle_priority else "normal"
     if phases is not None:
         write_phases(Path(os.environ[PHASES_ENV]), rank, phases, train_wall, current["source"])
     executed = executed_paths.summarize(spec.preprocess_executor, executed_paths.since(ran_before),
@@ -337,6 +351,7 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
         executor=ExecutedPreprocessing.model_validate(executed),
         peak_rss_bytes=peak_rss,
         prefetch_steps=depth,
+        prefetch_sched=ran_sched,
         sparse_dist_pipeline=ran_pipelined,
     )
     out = Path(spec.output_dir)
