@@ -44,8 +44,8 @@ def plan_schedule(plan: Plan, dataset: DatasetConfig, model: ModelConfig, world_
         # a spread schedule runs group by group; an executor without the native kernels has no single pass
         grouped = (executor if not executor.native else
                    make_executor("fused", plan, dataset, compiled=compiled, single_pass=False))
-        cost = batch_scaled(group_timer(executor, dataset, batch_size), compiled,
-                            batch_ms(grouped, dataset, batch_size))
+        grouped_ms = batch_ms(grouped, dataset, batch_size)
+        cost = batch_scaled(group_timer(executor, dataset, batch_size), compiled, grouped_ms)
         if profile is None:
             profile = stored_profile(profile_dir, model, plan, world_size, batch_size)
         if profile is not None:
@@ -60,8 +60,8 @@ def plan_schedule(plan: Plan, dataset: DatasetConfig, model: ModelConfig, world_
                                           "data_parallel (each worker preprocesses its local batch, as the workers "
                                           "do); no input all-to-all term (not in a single-process profile)")
             if profile.key.device == "cpu":
-                return cpu_schedule(sched, compiled, profile, batch_ms(executor, dataset, batch_size),
-                                    {g.name: cost(g) for g in compiled.groups})
+                whole_ms = grouped_ms if grouped is executor else batch_ms(executor, dataset, batch_size)
+                return cpu_schedule(sched, compiled, profile, whole_ms, {g.name: cost(g) for g in compiled.groups})
             return sched
         per_group = {g.name: cost(g) for g in compiled.groups}
         return whole_kernel_schedule(compiled, stage, per_group, meta={

@@ -16,7 +16,7 @@ import torch
 from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.rap.runtime.corun_runtime import CorunRuntime, Pending
-from recforge.train.loop.batches import Batch, TaskBatches, TaskClient
+from recforge.train.loop.batches import Batch, TaskBatches, TaskClient, padded_to
 
 
 @dataclass
@@ -103,10 +103,7 @@ class CorunTaskBatches(CorunReadAhead, TaskBatches):
         self._init_corun(runtime, step_boundary, step_done)
 
     def prepare(self, raw: RawBatch) -> CorunBatch:
-        if raw.rows == self.batch_size:  # a full batch: nothing to pad, no copy (the co-run thread only reads it)
-            padded, weights = raw, torch.ones(self.batch_size, dtype=torch.float32)
-        else:
-            padded, weights = raw.pad_to(self.batch_size)
+        padded, weights = padded_to(raw, self.batch_size)  # the co-run thread only reads it
         return CorunBatch(dense=None, sparse=None, labels=padded.label.to(self.device),  # type: ignore[arg-type]  # filled by complete()
                           weights=weights.to(self.device), real=raw.rows,
                           pending=self.runtime.launch(padded))  # the runtime copies it to the device

@@ -63,14 +63,19 @@ def slice_raw(raw: RawBatch, start: int, end: int) -> RawBatch:
     return type(raw)(**{f.name: getattr(raw, f.name)[start:end] for f in dataclasses.fields(raw)})
 
 
+def padded_to(raw: RawBatch, batch_size: int) -> tuple[RawBatch, torch.Tensor]:
+    """`raw` padded to batch_size with zero-weight rows, and the weights (1 real, 0 padding); a full batch is
+    returned as it is, not copied (its readers only read it)."""
+    if raw.rows == batch_size:
+        return raw, torch.ones(batch_size, dtype=torch.float32)
+    return raw.pad_to(batch_size)
+
+
 def prepare(raw: RawBatch, batch_size: int, executor: Executor, device: torch.device) -> Batch:
     """Pad `raw` to batch_size with zero-weight rows and preprocess it. The KJT's per-key lengths and offsets are
     computed here (`sync`), where the batch is built (on the prefetch thread), not in the model's input
     all-to-all on the step's path."""
-    if raw.rows == batch_size:  # a full batch: nothing to pad, no copy
-        padded, weights = raw, torch.ones(batch_size, dtype=torch.float32)
-    else:
-        padded, weights = raw.pad_to(batch_size)
+    padded, weights = padded_to(raw, batch_size)
     dense, kjt = executor(padded.to(device))
     return Batch(dense=dense, sparse=kjt.sync(), labels=padded.label.to(device), weights=weights.to(device),
                  real=raw.rows)
