@@ -3,7 +3,8 @@
 Runs in the process that launched the workers (run_training_job's supervisor; on Kubernetes next to
 torchrun in each worker pod: `python -m recforge.elastic.agent.flash_checkpoint MEMORY_ROOT DISK_ROOT`).
 A background thread copies every new complete snapshot (recforge.train.recovery.flash) from shared memory to
-`<disk root>/step-N` (temp directory, sha256 of every file into CHECKSUMS.json, fsync, rename) and
+`<disk root>/step-N` (temp directory, sha256 of every file into CHECKSUMS.json, fsync, rename; past the page cache:
+recforge.elastic.agent.direct_copy) and
 keeps the newest `keep`. When a worker dies, `persist_now()` saves what is in memory ("save at
 breakpoint"): the snapshot outlives the process that wrote it, tmpfs belongs to the machine.
 The memory root must stay a private directory of this user (recforge.train.recovery.private_dir): one that is not is
@@ -12,7 +13,6 @@ never persisted from (its snapshots will be unpickled by a restarted group), and
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from recforge.elastic.agent.direct_copy import copy_hashed
 from recforge.train.recovery.layout import CHECKSUMS_FILE, memory_problem, prune, step_dirs, step_name
 from recforge.train.recovery.private_dir import (
     UnsafeDirectoryError,
@@ -114,7 +115,7 @@ class FlashPersister:
         for f in sorted(src.iterdir()):
             if not f.is_file() or f.name.startswith("done-rank"):
                 continue
-            sums[f.name] = _copy_hashed(f, tmp / f.name)
+            sums[f.name] = copy_hashed(f, tmp / f.name)
         (tmp / (CHECKSUMS_FILE + ".tmp")).write_text(json.dumps(sums, indent=1, sort_keys=True))
         os.replace(tmp / (CHECKSUMS_FILE + ".tmp"), tmp / CHECKSUMS_FILE)
         shutil.rmtree(final, ignore_errors=True)
@@ -136,19 +137,6 @@ class FlashPersister:
                 self.persist_now()
             except Exception:  # keep persisting later snapshots; the failure is logged with its traceback
                 log.exception("persisting a flash checkpoint failed")
-
-
-def _copy_hashed(src: Path, dst: Path, chunk: int = 1 << 22) -> dict[str, object]:
-    h = hashlib.sha256()
-    n = 0
-    with open(src, "rb") as fi, open(dst, "wb") as fo:
-        while block := fi.read(chunk):
-            h.update(block)
-            fo.write(block)
-            n += len(block)
-        fo.flush()
-        os.fsync(fo.fileno())
-    return {"sha256": h.hexdigest(), "bytes": n}
 
 
 def main(argv: list[str] | None = None) -> int:
