@@ -30,6 +30,7 @@ hold (more ranks x threads than cores, data beyond the memory available) is refu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -38,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +49,18 @@ from _results import cpu_model, write_report  # bench/_results.py (bench/ is the
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS_PER_SHARD = 50_000
-SIDES = ("recforge", "reference", "recforge_sync", "recforge_pipelined", "recforge_normal")
+SIDES = ("recforge", "reference", "recforge_sync", "recforge_pipelined", "recforge_normal", "recforge_system_alloc",
+         "reference_kept_alloc")
 # env of recforge's sides (JOB_ENV's variables are cleared first): recforge_pipelined turns on TorchRec's input-dist
 # pipeline in the step loop (recforge.train.loop.pipelined; off by default); recforge_normal runs the prefetch thread
-# at normal priority (the default is SCHED_IDLE: it takes a core only when nothing else of the rank's wants it)
+# at normal priority (the default is SCHED_IDLE: it takes a core only when nothing else of the rank's wants it);
+# recforge_system_alloc launches the ranks with every allocator as it is (the default keeps freed pages:
+# recforge.elastic.allocator_env). reference_kept_alloc: the reference's ranks with recforge's allocator settings.
 SIDE_ENV = {"recforge_pipelined": {"RECFORGE_TRAIN_PIPELINE": "1"},
-            "recforge_normal": {"RECFORGE_PREFETCH_SCHED": "normal"}}
-JOB_ENV = ("RECFORGE_STEP_PHASES", "RECFORGE_TRAIN_PREFETCH", "RECFORGE_TRAIN_PIPELINE", "RECFORGE_PREFETCH_SCHED")
+            "recforge_normal": {"RECFORGE_PREFETCH_SCHED": "normal"},
+            "recforge_system_alloc": {"RECFORGE_ALLOCATOR": "system"}}
+JOB_ENV = ("RECFORGE_STEP_PHASES", "RECFORGE_TRAIN_PREFETCH", "RECFORGE_TRAIN_PIPELINE", "RECFORGE_PREFETCH_SCHED",
+           "RECFORGE_ALLOCATOR")
 REFERENCE_BYTES_PER_ROW = 1200  # measured order: raw + preprocessed + batched copies, per process holding the rows
 
 
@@ -197,6 +204,25 @@ def run_recforge(root: Path, ds, plan, train_manifest, *, workers: int, threads:
     return out
 
 
+@contextlib.contextmanager
+def kept_alloc_env(on: bool) -> Iterator[None]:
+    """recforge's allocator settings (recforge.elastic.allocator_env.KEPT) in this process's environment while the
+    reference's ranks are spawned (they inherit it); restored after."""
+    from recforge.elastic.allocator_env import KEPT
+
+    saved = {k: os.environ.get(k) for k in KEPT}
+    if on:
+        os.environ.update(KEPT)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def per_step_ms(phases: list[dict[str, Any]]) -> dict[str, float]:
     """Mean over ranks of each phase's milliseconds per step (keys ending in _s, divided by steps)."""
     out: dict[str, list[float]] = {}
@@ -237,6 +263,12 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     if "recforge" in sides and "recforge_normal" in sides:
         out["ratio_idle_prefetch_vs_normal"] = (sides["recforge"]["samples_per_s"]
                                                 / sides["recforge_normal"]["samples_per_s"])
+    if "recforge" in sides and "recforge_system_alloc" in sides:
+        out["ratio_kept_vs_system_alloc"] = (sides["recforge"]["samples_per_s"]
+                                             / sides["recforge_system_alloc"]["samples_per_s"])
+    if "recforge" in sides and "reference_kept_alloc" in sides:
+        out["ratio_vs_reference_kept_alloc"] = (sides["recforge"]["samples_per_s"]
+                                                / sides["reference_kept_alloc"]["samples_per_s"])
     return out
 
 
@@ -255,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of recforge, reference, recforge_sync (recforge's loop without prefetching: "
                          "train.prefetch_steps=0), recforge_pipelined (recforge with TorchRec's input-dist pipeline "
                          "in its step loop: RECFORGE_TRAIN_PIPELINE=1), recforge_normal (its prefetch thread at "
-                         "normal priority instead of SCHED_IDLE: RECFORGE_PREFETCH_SCHED=normal)")
+                         "normal priority instead of SCHED_IDLE: RECFORGE_PREFETCH_SCHED=normal), "
+                         "recforge_system_alloc (its ranks with every allocator as it is: RECFORGE_ALLOCATOR=system), "
+                         "reference_kept_alloc (the reference's ranks with recforge's allocator settings)")
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_train_peer.json")
     args = ap.parse_args(argv)
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
@@ -288,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         ds, plan, train_m, eval_m, held_report = prepare_data(root, args.rows, args.eval_rows, args.seed,
                                                               args.table_cap)
         report["heldout_bayes_auc"] = held_report.bayes_auc[0] if held_report.bayes_auc else None
-        data_path = reference_rows(root, ds, plan, train_m, eval_m) if "reference" in sides else None
+        data_path = (reference_rows(root, ds, plan, train_m, eval_m)
+                     if any(s.startswith("reference") for s in sides) else None)
         report["data_s"] = time.perf_counter() - t0
         print(f"data ready in {report['data_s']:.0f}s: {train_m.total_rows} training rows, {eval_m.total_rows} "
               f"held-out rows; load {os.getloadavg()[0]:.1f}", flush=True)
@@ -307,10 +342,11 @@ def main(argv: list[str] | None = None) -> int:
                         ours = next((rnd[s] for s in SIDES if s.startswith("recforge") and s in rnd), None)  # its plan
                         pinned = ({t: v["sharding_type"] for t, v in ours["sharding_plan"].items()}
                                   if ours else None)
-                        rnd[side] = reference.run(data_path, model=ModelConfig(),
-                                                  train=TrainConfig(batch_size=args.batch), world=args.workers,
-                                                  threads=args.threads, seed=args.seed,
-                                                  profile_steps=args.profile_steps, pinned=pinned)
+                        with kept_alloc_env(side == "reference_kept_alloc"):
+                            rnd[side] = reference.run(data_path, model=ModelConfig(),
+                                                      train=TrainConfig(batch_size=args.batch), world=args.workers,
+                                                      threads=args.threads, seed=args.seed,
+                                                      profile_steps=args.profile_steps, pinned=pinned)
                     bar.console.print(f"round {i} {side}: {rnd[side]['samples_per_s']:,.0f} samples/s, held-out "
                                       f"AUC {rnd[side]['heldout_auc']:.4f}, load {os.getloadavg()[0]:.1f}")
                     bar.advance(task)

@@ -39,14 +39,17 @@ def test_the_configured_depth_runs_and_the_override_is_what_is_recorded(recforge
     assert (data.params["train.prefetch_steps"], data.tags["prefetch_steps"]) == ("0", "0")
     assert worker.sparse_dist_pipeline is False and data.tags["sparse_dist_pipeline"] == "false"
     assert worker.prefetch_sched is None and "prefetch_sched" not in data.tags  # no prefetch thread ran
+    assert worker.allocator == "kept" and data.tags["allocator"] == "kept"  # the ranks' default allocator settings
 
     monkeypatch.setenv("RECFORGE_TRAIN_PREFETCH", "1")  # the workers' override: what ran, not what was configured
     monkeypatch.delenv("RECFORGE_TRAIN_PIPELINE", raising=False)
     monkeypatch.delenv("RECFORGE_PREFETCH_SCHED", raising=False)
+    monkeypatch.setenv("RECFORGE_ALLOCATOR", "system")
     ahead, worker, data = _train(recforge_home, "ahead", 3, sparse_dist_pipeline=True)
     assert worker.prefetch_steps == 1 and ahead.steps == sync.steps
     # the prefetch thread ran under SCHED_IDLE, the default (RECFORGE_PREFETCH_SCHED unset)
     assert worker.prefetch_sched == "idle" and data.tags["prefetch_sched"] == "idle"
+    assert worker.allocator == "system" and data.tags["allocator"] == "system"
     assert (data.params["train.prefetch_steps"], data.tags["prefetch_steps"]) == ("3", "1")
     # the trigger form's sparse_dist_pipeline ran TorchRec's TrainPipelineSparseDist over the prefetched steps
     assert worker.sparse_dist_pipeline is True and data.tags["sparse_dist_pipeline"] == "true"

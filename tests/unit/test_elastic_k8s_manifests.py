@@ -60,6 +60,22 @@ def test_worker_pod_fields():
     assert {"name": "RECFORGE_FLASH_AGENT", "value": "1"} in side[0]["env"]
 
 
+def test_worker_pods_keep_freed_pages_unless_the_settings_say_otherwise():
+    env = {e["name"]: e.get("value") for e in pod()["spec"]["containers"][0]["env"]}
+    assert env["RECFORGE_ALLOCATOR"] == "kept" and env["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20)
+    assert env["ARROW_DEFAULT_MEMORY_POOL"] == "system"
+    own = JobPodSettings(namespace="recforge", job_id="j", image="i", extra_env={"MALLOC_TRIM_THRESHOLD_": "0"})
+    p = worker_pod(own, index=0, workers=1, generation=0, spec_path="/x", resources=PodResources(cpu=1, memory="1Gi"),
+                   threads=1)
+    env = {e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]}
+    assert env["MALLOC_TRIM_THRESHOLD_"] == "0" and env["MALLOC_TOP_PAD_"] == str(64 << 20)
+    off = JobPodSettings(namespace="recforge", job_id="j", image="i", extra_env={"RECFORGE_ALLOCATOR": "system"})
+    p = worker_pod(off, index=0, workers=1, generation=0, spec_path="/x", resources=PodResources(cpu=1, memory="1Gi"),
+                   threads=1)
+    names = {e["name"] for e in p["spec"]["containers"][0]["env"]}
+    assert "RECFORGE_ALLOCATOR" in names and not names & {"MALLOC_MMAP_THRESHOLD_", "ARROW_DEFAULT_MEMORY_POOL"}
+
+
 @pytest.mark.parametrize("path, value, match", [
     (("spec", "containers", 0, "resourcez"), {}, "resourcez"),
     (("spec", "containers", 0, "ports", 0, "containerPort"), "rdzv", "containerPort"),

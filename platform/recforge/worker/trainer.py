@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recforge.elastic.allocator_env import ALLOCATOR_ENV
 from recforge.preprocess.executor import make_executor
 from recforge.preprocess.executors import record as executed_paths
 from recforge.preprocess.planning.plan import Plan
@@ -95,6 +96,12 @@ def prefetch_sched() -> str:
     if raw not in PREFETCH_SCHEDS:
         raise ValueError(f"{PREFETCH_SCHED_ENV}={raw!r}: expected one of {list(PREFETCH_SCHEDS)}")
     return raw
+
+
+def allocator_ran() -> str | None:
+    """The allocator mode this rank was launched with (recforge.elastic.allocator_env; read by glibc at start):
+    None where no recforge backend launched it."""
+    return os.environ.get(ALLOCATOR_ENV) or None
 
 
 def sparse_dist_pipeline(spec: WorkerSpec, rank: int) -> bool:
@@ -353,6 +360,7 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
         prefetch_steps=depth,
         prefetch_sched=ran_sched,
         sparse_dist_pipeline=ran_pipelined,
+        allocator=allocator_ran(),
     )
     out = Path(spec.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from recforge.elastic.allocator_env import allocator_env
+
 PART_OF = "recforge"
 WORKER_APP = "recforge-worker"
 MASTER_APP = "recforge-job-master"
@@ -153,6 +155,7 @@ def worker_pod(
         "PYTHONUNBUFFERED": "1",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         **({"RECFORGE_FLASH_AGENT": "1"} if flash_agent else {}),
+        **allocator_env(s.extra_env),  # the ranks keep freed pages (recforge.elastic.allocator_env)
         **s.extra_env,
     }
     args = [

@@ -37,6 +37,7 @@ from typing import IO
 
 import psutil
 
+from recforge.elastic.allocator_env import allocator_env
 from recforge.elastic.backends.base import JobFailedError
 from recforge.elastic.policy import ResourcePlan
 from recforge.train.distributed import free_port
@@ -170,6 +171,7 @@ class LocalBackend:
         env["OMP_NUM_THREADS"] = str(plan.threads_per_worker)
         env["MKL_NUM_THREADS"] = str(plan.threads_per_worker)
         env["PYTHONUNBUFFERED"] = "1"
+        env.update(allocator_env(env))  # the ranks keep freed pages (recforge.elastic.allocator_env)
         # torchrun's own grace between SIGTERM and SIGKILL of its ranks (default 30 s)
         env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(max(1, int(self.stop_grace_s))))
         log_file = open(log_path, "ab")  # noqa: SIM115 (closed in wait/stop); appended: a relaunch keeps the dead group's

@@ -202,13 +202,16 @@ def log_prefetch(store, run_id: str, worker: WorkerResult) -> None:
     """The prefetch depth the workers ran (WorkerResult.prefetch_steps: 0 under RAP co-run or the env override's
     value) as tag `prefetch_steps`: a tag, since a retried task may run another depth than an earlier attempt
     logged; the param `train.prefetch_steps` stays what was configured. Likewise tag `sparse_dist_pipeline`: whether
-    the step loop ran TorchRec's TrainPipelineSparseDist, and tag `prefetch_sched`: the prefetch thread's scheduling."""
+    the step loop ran TorchRec's TrainPipelineSparseDist, tag `prefetch_sched`: the prefetch thread's scheduling, and
+    tag `allocator`: the ranks' allocator mode."""
     if worker.prefetch_steps is not None:
         store.set_tags(run_id, {"prefetch_steps": worker.prefetch_steps})
     if worker.sparse_dist_pipeline is not None:
         store.set_tags(run_id, {"sparse_dist_pipeline": str(worker.sparse_dist_pipeline).lower()})
     if worker.prefetch_sched is not None:
         store.set_tags(run_id, {"prefetch_sched": worker.prefetch_sched})
+    if worker.allocator is not None:
+        store.set_tags(run_id, {"allocator": worker.allocator})
 
 
 def load_trained(ctx: RunContext):

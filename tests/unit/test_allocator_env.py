@@ -1,0 +1,58 @@
+"""The ranks' allocator settings: which variables a launch adds, and that glibc and Arrow read them by those names."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from recforge.elastic.allocator_env import KEPT, allocator_env, allocator_mode
+
+# in a child: whether a 16 MiB malloc was mmapped (mallinfo2's hblks before and after); Arrow's default pool
+PROBE = """
+import ctypes, json
+import pyarrow as pa
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+class M(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc.mallinfo2.restype = M
+before = libc.mallinfo2().hblks
+p = libc.malloc(16 << 20)
+print(json.dumps({"mmapped": libc.mallinfo2().hblks - before, "arrow_pool": pa.default_memory_pool().backend_name}))
+libc.free(ctypes.c_void_p(p))
+"""
+
+
+def _child(extra: dict[str, str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in KEPT}
+    out = subprocess.run([sys.executable, "-c", PROBE], env={**env, **extra}, capture_output=True, text=True,
+                         timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_default_adds_every_setting_and_names_the_mode():
+    assert allocator_env({}) == {"RECFORGE_ALLOCATOR": "kept", **KEPT}
+    assert allocator_mode({}) == "kept"
+
+
+def test_variables_already_set_win_and_system_adds_none():
+    got = allocator_env({"MALLOC_TRIM_THRESHOLD_": "0"})
+    assert "MALLOC_TRIM_THRESHOLD_" not in got and got["MALLOC_TOP_PAD_"] == KEPT["MALLOC_TOP_PAD_"]
+    assert allocator_env({"RECFORGE_ALLOCATOR": "system"}) == {"RECFORGE_ALLOCATOR": "system"}
+
+
+def test_a_bad_mode_is_refused_naming_the_variable():
+    with pytest.raises(ValueError, match="RECFORGE_ALLOCATOR='jemalloc'"):
+        allocator_env({"RECFORGE_ALLOCATOR": "jemalloc"})
+
+
+def test_glibc_and_arrow_read_the_settings_by_these_names():
+    kept = _child(allocator_env({}))
+    system = _child({})
+    # 16 MiB is above glibc's default mmap threshold (128 KiB) and below the kept one (32 MiB)
+    assert (kept["mmapped"], system["mmapped"]) == (0, 1)
+    assert kept["arrow_pool"] == "system" and system["arrow_pool"] != "system"
