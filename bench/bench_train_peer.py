@@ -30,7 +30,6 @@ hold (more ranks x threads than cores, data beyond the memory available) is refu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -39,7 +38,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -204,25 +202,6 @@ def run_recforge(root: Path, ds, plan, train_manifest, *, workers: int, threads:
     return out
 
 
-@contextlib.contextmanager
-def kept_alloc_env(on: bool) -> Iterator[None]:
-    """recforge's allocator settings (recforge.elastic.allocator_env.KEPT) in this process's environment while the
-    reference's ranks are spawned (they inherit it); restored after."""
-    from recforge.elastic.allocator_env import KEPT
-
-    saved = {k: os.environ.get(k) for k in KEPT}
-    if on:
-        os.environ.update(KEPT)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def per_step_ms(phases: list[dict[str, Any]]) -> dict[str, float]:
     """Mean over ranks of each phase's milliseconds per step (keys ending in _s, divided by steps)."""
     out: dict[str, list[float]] = {}
@@ -304,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # after OMP_NUM_THREADS
 
     from recforge.config import ModelConfig, TrainConfig
+    from recforge.elastic.allocator_env import KEPT
     from train_peer import reference
 
     torch.set_num_threads(args.threads)
@@ -342,11 +322,11 @@ def main(argv: list[str] | None = None) -> int:
                         ours = next((rnd[s] for s in SIDES if s.startswith("recforge") and s in rnd), None)  # its plan
                         pinned = ({t: v["sharding_type"] for t, v in ours["sharding_plan"].items()}
                                   if ours else None)
-                        with kept_alloc_env(side == "reference_kept_alloc"):
-                            rnd[side] = reference.run(data_path, model=ModelConfig(),
-                                                      train=TrainConfig(batch_size=args.batch), world=args.workers,
-                                                      threads=args.threads, seed=args.seed,
-                                                      profile_steps=args.profile_steps, pinned=pinned)
+                        rnd[side] = reference.run(data_path, model=ModelConfig(),
+                                                  train=TrainConfig(batch_size=args.batch), world=args.workers,
+                                                  threads=args.threads, seed=args.seed,
+                                                  profile_steps=args.profile_steps, pinned=pinned,
+                                                  env=KEPT if side == "reference_kept_alloc" else None)
                     bar.console.print(f"round {i} {side}: {rnd[side]['samples_per_s']:,.0f} samples/s, held-out "
                                       f"AUC {rnd[side]['heldout_auc']:.4f}, load {os.getloadavg()[0]:.1f}")
                     bar.advance(task)

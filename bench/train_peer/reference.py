@@ -209,9 +209,11 @@ def _rank(rank: int, world: int, port: int, cfg: dict[str, Any], out_dir: str) -
 
 
 def run(data_path: Path, *, model: ModelConfig, train: TrainConfig, world: int, threads: int, seed: int,
-        eval_batch: int = 5000, profile_steps: int = 30, pinned: dict[str, str] | None = None) -> dict[str, Any]:
+        eval_batch: int = 5000, profile_steps: int = 30, pinned: dict[str, str] | None = None,
+        env: dict[str, str] | None = None) -> dict[str, Any]:
     """Train the reference over the rows in `data_path` (see `save_rows`) on `world` spawned ranks; rank 0's report.
-    `pinned`: table -> sharding type, the plan recforge's run chose (the planner breaks ties differently per run)."""
+    `pinned`: table -> sharding type, the plan recforge's run chose (the planner breaks ties differently per run).
+    `env`: variables set for the spawned ranks (besides OMP_NUM_THREADS)."""
     import socket  # lazy: only to pick a free port
 
     with socket.socket() as s:
@@ -221,7 +223,7 @@ def run(data_path: Path, *, model: ModelConfig, train: TrainConfig, world: int, 
            "threads": threads, "seed": seed, "eval_batch": eval_batch, "profile_steps": profile_steps,
            "pinned": pinned}
     with tempfile.TemporaryDirectory(prefix="recforge_ref_") as out:
-        env = {"OMP_NUM_THREADS": str(threads)}
+        env = {**(env or {}), "OMP_NUM_THREADS": str(threads)}
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:

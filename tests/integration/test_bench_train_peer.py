@@ -71,3 +71,16 @@ def test_summary_medians_and_ratios(bench):
     step = out["median"]["recforge"]["step_ms"]
     assert step["forward"] == pytest.approx(20.0) and step["thread_build"] == pytest.approx(50.0)
     assert "train_wall" not in step and "prefetch_thread" not in step
+
+
+def test_allocator_sides_are_summarized_against_recforge(bench):
+    def side(sps):
+        return {"samples_per_s": sps, "heldout_auc": 0.77, "phases": [{"steps": 10, "forward_s": 0.2}]}
+
+    rounds = [{"recforge": side(s), "recforge_system_alloc": side(a), "reference_kept_alloc": side(k)}
+              for s, a, k in [(100.0, 80.0, 120.0), (110.0, 100.0, 130.0)]]
+    out = bench.summarize(rounds)
+    assert out["ratio_kept_vs_system_alloc"] == pytest.approx(105.0 / 90.0)
+    assert out["ratio_vs_reference_kept_alloc"] == pytest.approx(105.0 / 125.0)
+    assert bench.SIDE_ENV["recforge_system_alloc"] == {"RECFORGE_ALLOCATOR": "system"}
+    assert "RECFORGE_ALLOCATOR" in bench.JOB_ENV  # cleared for the other sides
