@@ -59,6 +59,12 @@ SIDE_ENV = {"recforge_pipelined": {"RECFORGE_TRAIN_PIPELINE": "1"},
             "recforge_system_alloc": {"RECFORGE_ALLOCATOR": "system"}}
 JOB_ENV = ("RECFORGE_STEP_PHASES", "RECFORGE_TRAIN_PREFETCH", "RECFORGE_TRAIN_PIPELINE", "RECFORGE_PREFETCH_SCHED",
            "RECFORGE_ALLOCATOR")
+# samples/s ratios reported where both sides ran: (key, numerator side, denominator side)
+RATIOS = (("ratio_prefetch_vs_sync", "recforge", "recforge_sync"),
+          ("ratio_pipelined_vs_not", "recforge_pipelined", "recforge"),
+          ("ratio_idle_prefetch_vs_normal", "recforge", "recforge_normal"),
+          ("ratio_kept_vs_system_alloc", "recforge", "recforge_system_alloc"),
+          ("ratio_vs_reference_kept_alloc", "recforge", "reference_kept_alloc"))
 REFERENCE_BYTES_PER_ROW = 1200  # measured order: raw + preprocessed + batched copies, per process holding the rows
 
 
@@ -234,20 +240,9 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         a, b = sides["recforge"], sides["reference"]
         out["ratio_samples_per_s"] = a["samples_per_s"] / b["samples_per_s"]
         out["auc_difference"] = a["heldout_auc"] - b["heldout_auc"]
-    if "recforge" in sides and "recforge_sync" in sides:
-        out["ratio_prefetch_vs_sync"] = sides["recforge"]["samples_per_s"] / sides["recforge_sync"]["samples_per_s"]
-    if "recforge" in sides and "recforge_pipelined" in sides:
-        out["ratio_pipelined_vs_not"] = (sides["recforge_pipelined"]["samples_per_s"]
-                                         / sides["recforge"]["samples_per_s"])
-    if "recforge" in sides and "recforge_normal" in sides:
-        out["ratio_idle_prefetch_vs_normal"] = (sides["recforge"]["samples_per_s"]
-                                                / sides["recforge_normal"]["samples_per_s"])
-    if "recforge" in sides and "recforge_system_alloc" in sides:
-        out["ratio_kept_vs_system_alloc"] = (sides["recforge"]["samples_per_s"]
-                                             / sides["recforge_system_alloc"]["samples_per_s"])
-    if "recforge" in sides and "reference_kept_alloc" in sides:
-        out["ratio_vs_reference_kept_alloc"] = (sides["recforge"]["samples_per_s"]
-                                                / sides["reference_kept_alloc"]["samples_per_s"])
+    for key, num, den in RATIOS:
+        if num in sides and den in sides:
+            out[key] = sides[num]["samples_per_s"] / sides[den]["samples_per_s"]
     return out
 
 

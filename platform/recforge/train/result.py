@@ -99,7 +99,7 @@ class WorkerResult(_Record):
     prefetch_sched: Literal["idle", "normal"] | None = Field(
         None, description="the prefetch thread's scheduling as run: idle (SCHED_IDLE, the default) or normal (env "
         "RECFORGE_PREFETCH_SCHED=normal, or where SCHED_IDLE could not be set); None: no prefetch thread ran")
-    allocator: str | None = Field(
+    allocator: Literal["kept", "system"] | None = Field(
         None, description="the ranks' allocator mode as launched (env RECFORGE_ALLOCATOR, recforge.elastic."
         "allocator_env): kept (the default: freed pages stay with the process) or system; None: not recorded")
     sparse_dist_pipeline: bool | None = Field(

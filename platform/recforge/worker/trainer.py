@@ -18,12 +18,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from recforge.elastic.allocator_env import ALLOCATOR_ENV
+from recforge.elastic.allocator_env import ALLOCATOR_ENV, allocator_mode
 from recforge.preprocess.executor import make_executor
 from recforge.preprocess.executors import record as executed_paths
 from recforge.preprocess.planning.plan import Plan
@@ -98,10 +98,10 @@ def prefetch_sched() -> str:
     return raw
 
 
-def allocator_ran() -> str | None:
+def allocator_ran() -> Literal["kept", "system"] | None:
     """The allocator mode this rank was launched with (recforge.elastic.allocator_env; read by glibc at start):
     None where no recforge backend launched it."""
-    return os.environ.get(ALLOCATOR_ENV) or None
+    return allocator_mode(os.environ) if os.environ.get(ALLOCATOR_ENV) else None
 
 
 def sparse_dist_pipeline(spec: WorkerSpec, rank: int) -> bool:
