@@ -1,6 +1,7 @@
 """The train task runs the prefetch depth the trigger form set (train.prefetch_steps) and records what ran: the
 worker result's prefetch_steps and the train run's MLflow tag, the env override's value where that is set; likewise
-train.sparse_dist_pipeline (TorchRec's TrainPipelineSparseDist in the step loop)."""
+train.sparse_dist_pipeline (TorchRec's TrainPipelineSparseDist in the step loop), train.prefetch_sched (the
+prefetch thread's scheduling) and resources.allocator (the ranks' allocators)."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ CONF = {"rows_per_day": 1200, "rows_per_shard": 600, "seed": 3, "table_cap": 500
         "resources": {"workers": 1, "policy": "static"}, "checkpoint": {"every_steps": 0, "flash": False}}
 
 
-def _train(home, key: str, prefetch_steps: int, sparse_dist_pipeline: bool = False):
+def _train(home, key: str, prefetch_steps: int, sparse_dist_pipeline: bool = False, **more):
     from recforge.pipelines.context import RunContext
     from recforge.pipelines.stages.data import generate, ingest
     from recforge.pipelines.stages.plan import plan_resources
@@ -22,7 +23,10 @@ def _train(home, key: str, prefetch_steps: int, sparse_dist_pipeline: bool = Fal
 
     ctx = RunContext.create(key, {**CONF, "train": {"batch_size": 128, "log_every": 2, "batches_per_task": 2,
                                                     "prefetch_steps": prefetch_steps,
-                                                    "sparse_dist_pipeline": sparse_dist_pipeline}}, home=home)
+                                                    "sparse_dist_pipeline": sparse_dist_pipeline,
+                                                    "prefetch_sched": more.get("prefetch_sched", "idle")},
+                                "resources": {**CONF["resources"], "allocator": more.get("allocator", "kept")}},
+                             home=home)
     generate(ctx)
     ingest(ctx)
     plan_resources(ctx)
@@ -44,11 +48,12 @@ def test_the_configured_depth_runs_and_the_override_is_what_is_recorded(recforge
     monkeypatch.setenv("RECFORGE_TRAIN_PREFETCH", "1")  # the workers' override: what ran, not what was configured
     monkeypatch.delenv("RECFORGE_TRAIN_PIPELINE", raising=False)
     monkeypatch.delenv("RECFORGE_PREFETCH_SCHED", raising=False)
-    monkeypatch.setenv("RECFORGE_ALLOCATOR", "system")
-    ahead, worker, data = _train(recforge_home, "ahead", 3, sparse_dist_pipeline=True)
+    monkeypatch.delenv("RECFORGE_ALLOCATOR", raising=False)
+    # the trigger form's prefetch_sched and worker_allocator (config train.prefetch_sched, resources.allocator)
+    ahead, worker, data = _train(recforge_home, "ahead", 3, sparse_dist_pipeline=True, prefetch_sched="normal",
+                                 allocator="system")
     assert worker.prefetch_steps == 1 and ahead.steps == sync.steps
-    # the prefetch thread ran under SCHED_IDLE, the default (RECFORGE_PREFETCH_SCHED unset)
-    assert worker.prefetch_sched == "idle" and data.tags["prefetch_sched"] == "idle"
+    assert worker.prefetch_sched == "normal" and data.tags["prefetch_sched"] == "normal"
     assert worker.allocator == "system" and data.tags["allocator"] == "system"
     assert (data.params["train.prefetch_steps"], data.tags["prefetch_steps"]) == ("3", "1")
     # the trigger form's sparse_dist_pipeline ran TorchRec's TrainPipelineSparseDist over the prefetched steps

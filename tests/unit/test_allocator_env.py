@@ -56,3 +56,32 @@ def test_glibc_and_arrow_read_the_settings_by_these_names():
     # 16 MiB is above glibc's default mmap threshold (128 KiB) and below the kept one (32 MiB)
     assert (kept["mmapped"], system["mmapped"]) == (0, 1)
     assert kept["arrow_pool"] == "system" and system["arrow_pool"] != "system"
+
+
+def test_the_config_default_applies_where_the_env_is_silent_and_the_env_overrides_it():
+    assert allocator_env({}, "system") == {"RECFORGE_ALLOCATOR": "system"}
+    assert allocator_env({"RECFORGE_ALLOCATOR": "kept"}, "system") == {"RECFORGE_ALLOCATOR": "kept", **KEPT}
+    with pytest.raises(ValueError, match="resources.allocator='tcmalloc'"):
+        allocator_env({}, "tcmalloc")
+
+
+def test_the_worker_allocator_param_reaches_both_backends(tmp_path, monkeypatch):
+    from recforge.config import PipelineConfig
+    from recforge.elastic.backends.kubernetes import backend_from_environment
+    from recforge.elastic.backends.local import LocalBackend
+    from recforge.elastic.job import default_backend
+    from recforge.pipelines.dag_tasks import ParamError, config_from_params, default_params
+
+    assert default_params()["worker_allocator"]["default"] == "kept"
+    assert default_params()["worker_allocator"]["enum"] == ["kept", "system"]
+    resources = PipelineConfig.model_validate(config_from_params({"worker_allocator": "system"})).resources
+    assert resources.allocator == "system"
+    local = default_backend(resources, tmp_path)
+    assert isinstance(local, LocalBackend) and local.allocator == "system"
+    monkeypatch.setenv("RECFORGE_IMAGE", "registry.example.com/recforge:test")
+    k8s = backend_from_environment(tmp_path / "master", allocator=resources.allocator)
+    assert k8s.settings.allocator == "system"
+    with pytest.raises(ParamError, match="worker_allocator"):
+        config_from_params({"worker_allocator": "jemalloc"})
+    with pytest.raises(ValueError, match="resources.allocator='jemalloc'"):
+        LocalBackend(allocator="jemalloc")

@@ -125,11 +125,18 @@ def test_the_sparse_dist_pipeline_param_reaches_the_worker_and_the_env_overrides
         config_from_params({"sparse_dist_pipeline": "yes please"})
 
 
-def test_the_prefetch_thread_runs_idle_by_default_and_a_bad_scheduling_is_named(monkeypatch):
+def test_the_prefetch_sched_param_reaches_the_worker_idle_by_default_and_the_env_overrides_it(tmp_path, monkeypatch):
     monkeypatch.delenv(PREFETCH_SCHED_ENV, raising=False)
-    assert prefetch_sched() == "idle"
+    assert default_params()["prefetch_sched"]["default"] == "idle"
+    assert default_params()["prefetch_sched"]["enum"] == ["idle", "normal"]
+    idle = _spec(PipelineConfig(), tmp_path)
+    assert prefetch_sched(idle) == "idle"
+    normal = _spec(PipelineConfig.model_validate(config_from_params({"prefetch_sched": "normal"})), tmp_path)
+    assert normal.train.prefetch_sched == "normal" and prefetch_sched(normal) == "normal"
     monkeypatch.setenv(PREFETCH_SCHED_ENV, "normal")
-    assert prefetch_sched() == "normal"
+    assert prefetch_sched(idle) == "normal"
     monkeypatch.setenv(PREFETCH_SCHED_ENV, "fifo")
     with pytest.raises(ValueError, match="RECFORGE_PREFETCH_SCHED='fifo'"):
-        prefetch_sched()
+        prefetch_sched(idle)
+    with pytest.raises(ParamError, match="prefetch_sched"):
+        config_from_params({"prefetch_sched": "fifo"})

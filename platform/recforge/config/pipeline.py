@@ -50,6 +50,10 @@ class TrainConfig(StrictModel):
         False, description="overlap each step's sparse input all-to-all with the previous step (TorchRec's "
         "TrainPipelineSparseDist); applies with prefetch_steps >= 1, one micro-batch per step and no RAP co-run. Off: "
         "on the 2-core CPU benchmark its own CPU per step outweighed the wait it hides (docs/performance.md)")
+    prefetch_sched: Literal["idle", "normal"] = Field(
+        "idle", description="scheduling of each rank's prefetch thread: idle (SCHED_IDLE: it takes a core only when "
+        "nothing else of the rank wants it, so it does not delay the step and with it the other ranks' collectives) "
+        "or normal; env RECFORGE_PREFETCH_SCHED overrides it for a job (benchmarks)")
     log_every: int = Field(20, ge=1)
     sharding: Literal["auto", "table_wise", "column_wise", "data_parallel"] = "auto"
     fused_embeddings: bool = Field(True, description="FBGEMM TBE with the optimizer applied in backward")
@@ -84,6 +88,10 @@ class ResourceConfig(StrictModel):
                          "plans from)")
     threads_per_worker: int = Field(1, ge=1, description="intra-op threads of each training worker")
     backend: Literal["local", "kubernetes"] = "local"
+    allocator: Literal["kept", "system"] = Field(
+        "kept", description="memory allocators of the worker processes: kept (glibc's mmap/trim thresholds fixed "
+        "high and Arrow on the system allocator, so freed pages stay with the rank instead of faulting in anew each "
+        "step) or system (every allocator as it is); env RECFORGE_ALLOCATOR overrides it for a job (benchmarks)")
     policy: Literal["static", "dlrover"] = Field(
         "dlrover", description="dlrover: DLRover-RM plans the job (stage 1 from MLflow history) and adjusts it while "
         "it trains (stages 2/3); static: exactly `workers` x `threads_per_worker`")

@@ -24,19 +24,23 @@ KEPT = {
 }
 
 
-def allocator_mode(environ: Mapping[str, str]) -> Literal["kept", "system"]:
-    """The mode env RECFORGE_ALLOCATOR names ("kept" when unset); ValueError naming the variable otherwise."""
-    raw = environ.get(ALLOCATOR_ENV, "").strip() or ALLOCATORS[0]
+def allocator_mode(environ: Mapping[str, str], default: str = ALLOCATORS[0]) -> Literal["kept", "system"]:
+    """The mode env RECFORGE_ALLOCATOR names, else `default` (config resources.allocator; "kept"); ValueError naming
+    the variable (or the config field) otherwise."""
+    raw = environ.get(ALLOCATOR_ENV, "").strip()
+    source = ALLOCATOR_ENV if raw else "resources.allocator"
+    raw = raw or default
     for mode in ALLOCATORS:
         if raw == mode:
             return mode
-    raise ValueError(f"{ALLOCATOR_ENV}={raw!r}: expected one of {list(ALLOCATORS)}")
+    raise ValueError(f"{source}={raw!r}: expected one of {list(ALLOCATORS)}")
 
 
-def allocator_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """Variables to add to a rank's environment `environ`: the mode itself (so the rank can record it) and, for
-    "kept", each of KEPT that `environ` does not set already."""
-    mode = allocator_mode(environ)
+def allocator_env(environ: Mapping[str, str], default: str = ALLOCATORS[0]) -> dict[str, str]:
+    """Variables to add to a rank's environment `environ`: the mode (env RECFORGE_ALLOCATOR where `environ` sets it,
+    else `default`, the job's resources.allocator) under its variable, so the rank can record it, and, for "kept",
+    each of KEPT that `environ` does not set already."""
+    mode = allocator_mode(environ, default)
     extra: dict[str, str] = {ALLOCATOR_ENV: mode}
     if mode == "kept":
         extra.update({k: v for k, v in KEPT.items() if k not in environ})

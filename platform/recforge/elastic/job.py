@@ -86,9 +86,9 @@ def default_policy(resources: ResourceConfig) -> Policy:
 def default_backend(resources: ResourceConfig, state_dir: Path) -> Backend:
     if resources.backend == "local":
         # torchrun restarts nothing itself: every relaunch goes through the failover policy (one budget)
-        return LocalBackend(max_restarts=0, log_dir=state_dir)
+        return LocalBackend(max_restarts=0, log_dir=state_dir, allocator=resources.allocator)
     if resources.backend == "kubernetes":
-        return backend_from_environment(state_dir)
+        return backend_from_environment(state_dir, allocator=resources.allocator)
     raise NotImplementedError(
         f"resources.backend={resources.backend!r} is not implemented; use 'local' or 'kubernetes'")
 

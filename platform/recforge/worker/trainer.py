@@ -61,8 +61,7 @@ log = logging.getLogger(__name__)
 PROBE_FILE = "probe.pt"
 # overrides train.prefetch_steps (profiling without a new config); the result records the depth that ran
 PREFETCH_ENV = "RECFORGE_TRAIN_PREFETCH"
-# the prefetch thread's scheduling: "idle" (default: SCHED_IDLE, it takes a core only when nothing else of the rank
-# wants it, so it does not delay the rank's step and with it the other ranks' collectives) or "normal" (the A/B)
+# overrides train.prefetch_sched, the prefetch thread's scheduling (idle: SCHED_IDLE, or normal; the A/B)
 PREFETCH_SCHED_ENV = "RECFORGE_PREFETCH_SCHED"
 PREFETCH_SCHEDS = ("idle", "normal")
 PHASES_ENV = "RECFORGE_STEP_PHASES"  # a directory: each rank writes its step loop's time per phase there (profiling)
@@ -90,11 +89,17 @@ def prefetch_depth(spec: WorkerSpec, corun: bool) -> int:
     return depth
 
 
-def prefetch_sched() -> str:
-    """The prefetch thread's scheduling, env RECFORGE_PREFETCH_SCHED: "idle" (default) or "normal"."""
-    raw = os.environ.get(PREFETCH_SCHED_ENV, "").strip() or PREFETCH_SCHEDS[0]
+def prefetch_sched(spec: WorkerSpec) -> str:
+    """The prefetch thread's scheduling: spec.train.prefetch_sched ("idle" by default, or "normal"), or env
+    RECFORGE_PREFETCH_SCHED where set."""
+    raw = os.environ.get(PREFETCH_SCHED_ENV, "").strip()
+    if not raw:
+        return spec.train.prefetch_sched
     if raw not in PREFETCH_SCHEDS:
-        raise ValueError(f"{PREFETCH_SCHED_ENV}={raw!r}: expected one of {list(PREFETCH_SCHEDS)}")
+        raise ValueError(f"{PREFETCH_SCHED_ENV}={raw!r}: expected one of {list(PREFETCH_SCHEDS)} (it overrides "
+                         "train.prefetch_sched)")
+    if raw != spec.train.prefetch_sched:
+        log.warning("%s=%s overrides train.prefetch_sched=%s", PREFETCH_SCHED_ENV, raw, spec.train.prefetch_sched)
     return raw
 
 
@@ -259,7 +264,7 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
                           batch_size=micro)  # RAP co-running, else None; created last: the try below closes it
     # the prefetch thread's per-step all_reduce runs on its own gloo group, beside the model's collectives
     side_group = dist.new_group(backend="gloo") if depth and world_size > 1 else None
-    sched = prefetch_sched()  # a bad value fails here, before training
+    sched = prefetch_sched(spec)  # a bad value fails here, before training
     ran_sched: str | None = None  # what the prefetch thread ran under (None: no prefetch thread)
     if depth:
         sys.setswitchinterval(PREFETCH_SWITCH_INTERVAL_S)

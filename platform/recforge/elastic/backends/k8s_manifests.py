@@ -75,6 +75,7 @@ class JobPodSettings:
     image_pull_policy: str = "IfNotPresent"
     shm_size: str = "4Gi"
     extra_env: dict[str, str] = field(default_factory=dict)
+    allocator: str = "kept"  # the workers' allocator mode (resources.allocator; extra_env's RECFORGE_ALLOCATOR wins)
     token_secret: str | None = None  # the master token's Secret (mounted at TOKEN_FILE); None: no Secret
     mlflow_secret: str | None = None  # MLflow credentials (keys username, password) for the pods' MLflow clients
 
@@ -155,7 +156,7 @@ def worker_pod(
         "PYTHONUNBUFFERED": "1",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         **({"RECFORGE_FLASH_AGENT": "1"} if flash_agent else {}),
-        **allocator_env(s.extra_env),  # the ranks keep freed pages (recforge.elastic.allocator_env)
+        **allocator_env(s.extra_env, s.allocator),  # the ranks keep freed pages (recforge.elastic.allocator_env)
         **s.extra_env,
     }
     args = [

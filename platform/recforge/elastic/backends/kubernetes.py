@@ -371,11 +371,12 @@ def _owner_from_env() -> dict[str, str] | None:
     return None
 
 
-def backend_from_environment(state_dir: str | Path) -> KubernetesBackend:
+def backend_from_environment(state_dir: str | Path, *, allocator: str = "kept") -> KubernetesBackend:
     """The backend of a master running in a pod (master_pod / the Airflow KubernetesPodOperator):
     namespace from POD_NAMESPACE, image from RECFORGE_IMAGE, worker memory from RECFORGE_WORKER_MEMORY,
     GPUs from RECFORGE_WORKER_GPUS, the token Secret its workers mount from RECFORGE_MASTER_TOKEN_SECRET, MLflow
-    credentials from RECFORGE_MLFLOW_SECRET, the job id from the state directory's name."""
+    credentials from RECFORGE_MLFLOW_SECRET, the job id from the state directory's name; `allocator`: the workers'
+    allocator mode (the job's resources.allocator)."""
     image = os.environ.get("RECFORGE_IMAGE")
     if not image:
         raise ValueError("resources.backend='kubernetes' needs RECFORGE_IMAGE (the worker image) in the environment")
@@ -386,7 +387,7 @@ def backend_from_environment(state_dir: str | Path) -> KubernetesBackend:
         data_claim=os.environ.get("RECFORGE_DATA_CLAIM", "recforge-data"),
         data_mount=os.environ.get("RECFORGE_HOME", "/var/lib/recforge"),
         token_secret=os.environ.get(TOKEN_SECRET_ENV) or None,
-        mlflow_secret=os.environ.get(MLFLOW_SECRET_ENV) or None,
+        mlflow_secret=os.environ.get(MLFLOW_SECRET_ENV) or None, allocator=allocator,
     )
     return KubernetesBackend(settings, memory=os.environ.get("RECFORGE_WORKER_MEMORY", "4Gi"),
                              gpus_per_worker=int(os.environ.get("RECFORGE_WORKER_GPUS", "0")))

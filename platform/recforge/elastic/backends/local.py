@@ -37,7 +37,7 @@ from typing import IO
 
 import psutil
 
-from recforge.elastic.allocator_env import allocator_env
+from recforge.elastic.allocator_env import allocator_env, allocator_mode
 from recforge.elastic.backends.base import JobFailedError
 from recforge.elastic.policy import ResourcePlan
 from recforge.train.distributed import free_port
@@ -127,9 +127,11 @@ class LocalBackend:
         cwd: str | Path | None = None,
         tail_lines: int = 80,
         stop_grace_s: float = 10.0,
+        allocator: str = "kept",
     ) -> None:
         """`log_dir`: where `workers.log` goes (default: the spec's directory). `env`: extra
-        environment variables for torchrun and the workers (on top of this process's)."""
+        environment variables for torchrun and the workers (on top of this process's). `allocator`: the workers'
+        allocator mode (config resources.allocator; env RECFORGE_ALLOCATOR overrides it)."""
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         self.module = module
@@ -140,6 +142,8 @@ class LocalBackend:
         self.cwd = Path(cwd) if cwd is not None else None
         self.tail_lines = tail_lines
         self.stop_grace_s = stop_grace_s
+        allocator_mode({}, allocator)  # a bad mode fails here, naming the config field
+        self.allocator = allocator
         self._live: list[LocalHandle] = []  # launched and not yet seen to exit (cleanup stops them)
 
     def command(self, spec_path: Path, plan: ResourcePlan, rdzv_endpoint: str) -> list[str]:
@@ -171,7 +175,7 @@ class LocalBackend:
         env["OMP_NUM_THREADS"] = str(plan.threads_per_worker)
         env["MKL_NUM_THREADS"] = str(plan.threads_per_worker)
         env["PYTHONUNBUFFERED"] = "1"
-        env.update(allocator_env(env))  # the ranks keep freed pages (recforge.elastic.allocator_env)
+        env.update(allocator_env(env, self.allocator))  # the ranks keep freed pages (recforge.elastic.allocator_env)
         # torchrun's own grace between SIGTERM and SIGKILL of its ranks (default 30 s)
         env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(max(1, int(self.stop_grace_s))))
         log_file = open(log_path, "ab")  # noqa: SIM115 (closed in wait/stop); appended: a relaunch keeps the dead group's

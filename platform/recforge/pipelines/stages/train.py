@@ -124,7 +124,7 @@ def train(ctx: RunContext) -> TrainOutputs:
                 policy=StaticPolicy(cfg.resources.model_copy(update={"workers": plan.workers,
                                                                       "threads_per_worker": plan.threads_per_worker})),
                 # torchrun restarts nothing itself: every relaunch goes through the job's failover policy (one budget)
-                backend=LocalBackend(max_restarts=0, log_dir=logs),
+                backend=LocalBackend(max_restarts=0, log_dir=logs, allocator=cfg.resources.allocator),
                 state_dir=work / "master",  # an existing state file (a retried task) is resumed
                 scaler=scaler,
                 on_attempt=lambda a: _append(work / ATTEMPTS_FILE, {"task_pid": os.getpid(), **asdict(a)}),
