@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from recforge.train.loop.step_loop import WindowMetrics
+from recforge.train.loop.window_metrics import WindowMetrics
 from recforge.train.metrics import auc, logloss, normalized_entropy
 
 
@@ -30,3 +30,43 @@ def test_single_class_window_reports_nothing():
     window = WindowMetrics()
     window.add(torch.randn(4, 1), torch.zeros(4), torch.ones(4))
     assert window.gather(world_size=1, rank=0) == {}
+
+
+def test_the_reporter_adds_the_quality_off_the_calling_thread_in_window_order():
+    import threading
+
+    from recforge.train.loop.window_metrics import WindowReporter, window_quality
+
+    rng = np.random.default_rng(0)
+    got: list[tuple[int, dict, str]] = []
+    reporter = WindowReporter(lambda m, step: got.append((step, m, threading.current_thread().name)))
+    windows = []
+    for step in (20, 40, 60):
+        y = (rng.random(500) < 0.3).astype(np.float32)
+        s = rng.standard_normal(500).astype(np.float32)
+        windows.append((y, s))
+        reporter.report({"train_loss": 0.5, "samples_per_s": 100.0}, step, (y, s))
+    reporter.report({"train_loss": 0.4, "samples_per_s": 90.0}, 61, None)  # no rows: the loss alone
+    reporter.close()
+    assert [g[0] for g in got] == [20, 40, 60, 61]
+    assert all(name.startswith("window-metrics") for _, _, name in got)
+    for (_, m, _), (y, s) in zip(got, windows, strict=False):
+        assert m == {"train_loss": 0.5, "samples_per_s": 100.0, **window_quality(y, s)}
+        assert m["train_auc"] == auc(y, s) and m["train_ne"] == normalized_entropy(y, s)
+    assert got[3][1] == {"train_loss": 0.4, "samples_per_s": 90.0}
+
+
+def test_a_failing_sink_does_not_fail_the_epoch_and_one_class_windows_carry_no_quality():
+    from recforge.train.loop.window_metrics import WindowReporter
+
+    def broken(m, step):
+        raise RuntimeError("tracking store down")
+
+    reporter = WindowReporter(broken)
+    reporter.report({"train_loss": 0.5}, 20, (np.zeros(8, np.float32), np.zeros(8, np.float32)))
+    reporter.close()  # logged, not raised
+    got: list[dict] = []
+    reporter = WindowReporter(lambda m, step: got.append(m))
+    reporter.report({"train_loss": 0.5}, 20, (np.ones(8, np.float32), np.zeros(8, np.float32)))
+    reporter.close()
+    assert got == [{"train_loss": 0.5}]

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -24,7 +23,7 @@ from recforge.train.loop.batches import Batch, TaskBatches
 from recforge.train.loop.loss import step_loss
 from recforge.train.loop.pipelined import StepPipeline, step_iterator
 from recforge.train.loop.prefetch import PrefetchBatches
-from recforge.train.metrics import auc, logloss, normalized_entropy
+from recforge.train.loop.window_metrics import MetricsSink, WindowMetrics, WindowReporter
 from recforge.train.sharding import ShardedModel
 
 log = logging.getLogger(__name__)
@@ -60,9 +59,6 @@ class PhaseTimes:
     def to_dict(self) -> dict[str, float]:
         return {"steps": float(self.steps), **{f"{k}_s": v for k, v in self.seconds.items()},
                 **{f"{k}_cpu_s": v for k, v in self.cpu_seconds.items()}}
-
-
-MetricsSink = Callable[[dict[str, float], int], None]  # (metrics, step); called on rank 0 only
 
 
 @dataclass
@@ -101,41 +97,6 @@ def _all_reduce(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
     return t.tolist()
-
-
-class WindowMetrics:
-    """Labels and logits of the real rows of the current logging window, gathered to rank 0 at log time.
-
-    AUC is not additive across ranks, so the window's predictions themselves are gathered (a window is
-    log_every * batch_size rows per rank: small)."""
-
-    def __init__(self) -> None:
-        self.labels: list[torch.Tensor] = []
-        self.logits: list[torch.Tensor] = []
-
-    def add(self, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> None:
-        real = weights > 0
-        self.labels.append(labels.detach().reshape(-1)[real].cpu())
-        self.logits.append(logits.detach().reshape(-1)[real].float().cpu())
-
-    def gather(self, world_size: int, rank: int) -> dict[str, float]:
-        """Collective: every rank calls it; rank 0 gets {auc, logloss, ne} of the window (others: {})."""
-        local = (torch.cat(self.labels).numpy() if self.labels else None,
-                 torch.cat(self.logits).numpy() if self.logits else None)
-        self.labels, self.logits = [], []
-        parts: list[tuple[np.ndarray | None, np.ndarray | None]] = [(None, None)] * world_size
-        if world_size > 1:
-            dist.all_gather_object(parts, local)
-        else:
-            parts = [local]
-        if rank != 0:
-            return {}
-        labels = np.concatenate([p[0] for p in parts if p[0] is not None and len(p[0])] or [np.zeros(0)])
-        logits = np.concatenate([p[1] for p in parts if p[1] is not None and len(p[1])] or [np.zeros(0)])
-        if len(labels) == 0 or labels.min() == labels.max():
-            return {}  # AUC is undefined on one class
-        return {"train_auc": auc(labels, logits), "train_logloss": logloss(labels, logits),
-                "train_ne": normalized_entropy(labels, logits)}
 
 
 def pipeline_applies(sharded: ShardedModel, source: object, accumulation: int) -> bool:
@@ -197,7 +158,7 @@ def train_epoch(
             heartbeat.maybe(state.step)
         if state.step % log_every == 0:
             g_loss, g_samples = _all_reduce([win["loss"], float(win["samples"])])
-            quality = window.gather(world_size, rank)
+            rows = window.gather_rows(world_size, rank)
             now = time.perf_counter()
             state.last_window_loss = g_loss / max(g_samples, 1.0)
             stats.loss_sum += g_loss
@@ -206,82 +167,90 @@ def train_epoch(
                 sps = g_samples / max(now - win["t0"], 1e-9)
                 log.info("epoch %d step %d%s: train loss %.5f, %.0f samples/s", epoch, state.step, tag,
                          state.last_window_loss, sps)
-                if sink is not None:
-                    sink({"train_loss": state.last_window_loss, "samples_per_s": sps, **quality}, state.step)
+                if reporter is not None:
+                    reporter.report({"train_loss": state.last_window_loss, "samples_per_s": sps}, state.step, rows)
             win.update(t0=now, loss=0.0, samples=0)
             if on_window is not None:
                 on_window(state, stats)
         pt.mark("coordination")
 
-    pt.restart()
-    if pipelined:
-        assert isinstance(source, PrefetchBatches) and isinstance(model, DistributedModelParallel)
-        source.defer_progress()  # steps in flight are not trained: a checkpoint must not count their rows
-        if rank == 0:
-            log.info("epoch %d: pipelined step loop (TorchRec TrainPipelineSparseDist over prefetched steps)", epoch)
-        pipe = StepPipeline(model, opt, world_size=world_size, mark=pt.mark, quiet=source.paused)
-        steps = step_iterator(source.next_step, empty_batch, pt.mark)
-        try:
+    # rank 0's window metrics (their AUC included) go to the sink from a thread: the other ranks do not wait for them
+    reporter = WindowReporter(sink) if rank == 0 and sink is not None else None
+    try:
+        pt.restart()
+        if pipelined:
+            assert isinstance(source, PrefetchBatches) and isinstance(model, DistributedModelParallel)
+            source.defer_progress()  # steps in flight are not trained: a checkpoint must not count their rows
+            if rank == 0:
+                log.info("epoch %d: pipelined step loop (TorchRec TrainPipelineSparseDist over prefetched steps)",
+                         epoch)
+            pipe = StepPipeline(model, opt, world_size=world_size, mark=pt.mark, quiet=source.paused)
+            steps = step_iterator(source.next_step, empty_batch, pt.mark)
+            try:
+                while True:
+                    try:
+                        logits, local_sum, done = pipe.progress(steps)
+                    except StopIteration:
+                        break
+                    window.add(logits, done.labels, done.weights)
+                    win["loss"] += float(local_sum)
+                    after_step([done.batch], done.real)
+            finally:
+                pipe.detach()  # the sharded EBC's own forward back (evaluation, the probe, the next epoch)
+                model.train()
+        else:
+            next_step = source.next_step if isinstance(source, PrefetchBatches) else None  # steps built ahead
             while True:
-                try:
-                    logits, local_sum, done = pipe.progress(steps)
-                except StopIteration:
-                    break
-                window.add(logits, done.labels, done.weights)
-                win["loss"] += float(local_sum)
-                after_step([done.batch], done.real)
-        finally:
-            pipe.detach()  # the sharded EBC's own forward back (evaluation, the probe, the next epoch)
-            model.train()
-    else:
-        next_step = source.next_step if isinstance(source, PrefetchBatches) else None  # steps built ahead
-        while True:
-            if next_step is not None:
-                step = next_step()
-                if step is None:
-                    break
-                micro, g_real, real = step.micro, step.g_real, step.real
-                if len(micro) != accumulation:
-                    raise ValueError(f"the source's steps have {len(micro)} micro-batches, the loop {accumulation}")
-            else:
-                micro = []
-                for _ in range(accumulation):  # a step's micro-batches; none asked for after the source ran dry
-                    micro.append(source.next() if not micro or micro[-1] is not None else None)
-                real = sum(b.real for b in micro if b is not None)
-                g_has, g_real = _all_reduce([1.0 if micro[0] is not None else 0.0, float(real)])
-                if g_has == 0:
-                    break
-            pt.mark("data")
-            for b in micro:
-                mb = b if b is not None else empty_batch
-                logits = model(mb.dense, mb.sparse)
-                loss, local_sum = step_loss(logits, mb.labels, mb.weights, g_real, world_size)
-                window.add(logits, mb.labels, mb.weights)
-                pt.mark("forward")
-                loss.backward()
-                win["loss"] += float(local_sum)
-                pt.mark("backward")
-            opt.step()
-            opt.zero_grad()
-            pt.mark("optimizer")
-            after_step(micro, real)
-    if isinstance(source, PrefetchBatches):  # the epoch's done reports sent, the thread stopped: tasks_done is exact
-        source.close()
-    g_loss, g_samples = _all_reduce([win["loss"], float(win["samples"])])
-    if g_samples:
-        state.last_window_loss = g_loss / g_samples
-        # the trailing part-window is logged too, so the curve ends at the last step (and a job shorter than
-        # log_every steps still has one point); every rank takes this branch (g_samples is all-reduced)
-        quality = window.gather(world_size, rank)
-        if rank == 0 and sink is not None:
-            sps = g_samples / max(time.perf_counter() - win["t0"], 1e-9)
-            sink({"train_loss": state.last_window_loss, "samples_per_s": sps, **quality}, state.step)
-    stats.loss_sum += g_loss
-    stats.samples += int(g_samples)
-    stats.wall_s += time.perf_counter() - t0
-    stats.tasks_done = source.tasks_done
-    state.epochs.append(stats)
-    if rank == 0:
-        log.info("epoch %d done: %d steps, %d samples, loss %.5f, %.1fs",
-                 epoch, stats.steps, stats.samples, stats.loss, stats.wall_s)
-    return stats
+                if next_step is not None:
+                    step = next_step()
+                    if step is None:
+                        break
+                    micro, g_real, real = step.micro, step.g_real, step.real
+                    if len(micro) != accumulation:
+                        raise ValueError(f"the source's steps have {len(micro)} micro-batches, the loop {accumulation}")
+                else:
+                    micro = []
+                    for _ in range(accumulation):  # a step's micro-batches; none asked for after the source ran dry
+                        micro.append(source.next() if not micro or micro[-1] is not None else None)
+                    real = sum(b.real for b in micro if b is not None)
+                    g_has, g_real = _all_reduce([1.0 if micro[0] is not None else 0.0, float(real)])
+                    if g_has == 0:
+                        break
+                pt.mark("data")
+                for b in micro:
+                    mb = b if b is not None else empty_batch
+                    logits = model(mb.dense, mb.sparse)
+                    loss, local_sum = step_loss(logits, mb.labels, mb.weights, g_real, world_size)
+                    window.add(logits, mb.labels, mb.weights)
+                    pt.mark("forward")
+                    loss.backward()
+                    win["loss"] += float(local_sum)
+                    pt.mark("backward")
+                opt.step()
+                opt.zero_grad()
+                pt.mark("optimizer")
+                after_step(micro, real)
+        # the epoch's done reports sent, the thread stopped: tasks_done is exact
+        if isinstance(source, PrefetchBatches):
+            source.close()
+        g_loss, g_samples = _all_reduce([win["loss"], float(win["samples"])])
+        if g_samples:
+            state.last_window_loss = g_loss / g_samples
+            # the trailing part-window is logged too, so the curve ends at the last step (and a job shorter than
+            # log_every steps still has one point); every rank takes this branch (g_samples is all-reduced)
+            rows = window.gather_rows(world_size, rank)
+            if reporter is not None:
+                sps = g_samples / max(time.perf_counter() - win["t0"], 1e-9)
+                reporter.report({"train_loss": state.last_window_loss, "samples_per_s": sps}, state.step, rows)
+        stats.loss_sum += g_loss
+        stats.samples += int(g_samples)
+        stats.wall_s += time.perf_counter() - t0
+        stats.tasks_done = source.tasks_done
+        state.epochs.append(stats)
+        if rank == 0:
+            log.info("epoch %d done: %d steps, %d samples, loss %.5f, %.1fs",
+                     epoch, stats.steps, stats.samples, stats.loss, stats.wall_s)
+        return stats
+    finally:
+        if reporter is not None:
+            reporter.close()
