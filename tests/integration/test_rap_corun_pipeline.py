@@ -93,7 +93,7 @@ def test_train_task_runs_corun_and_offline(recforge_home):
     assert run.data.params["preprocessing_mode"] == "corun" and m["preprocessing_measured_step_ms"] > 0
     # co-run reads ahead itself: no prefetch thread whatever train.prefetch_steps says; what ran is recorded
     assert worker.prefetch_steps == 0 and run.data.tags["prefetch_steps"] == "0"
-    assert run.data.params["train.prefetch_steps"] == "2"
+    assert run.data.params["train.prefetch_steps"] == "4"
 
     # preprocessing auto on the same job, cold (a profile folder of its own, empty): decided by the bound (co-run
     # could save at most the preprocessing's share of a step measured on one rank) or, when that does not settle

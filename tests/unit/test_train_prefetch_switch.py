@@ -37,8 +37,8 @@ def test_the_default_is_two_and_a_bad_param_is_refused(tmp_path, monkeypatch):
 
     monkeypatch.delenv(PREFETCH_ENV, raising=False)
     spec = default_params()["prefetch_steps"]
-    assert (spec["default"], spec["type"], spec["minimum"]) == (2, "integer", 0)
-    assert prefetch_depth(_spec(PipelineConfig(), tmp_path), corun=False) == 2
+    assert (spec["default"], spec["type"], spec["minimum"]) == (4, "integer", 0)
+    assert prefetch_depth(_spec(PipelineConfig(), tmp_path), corun=False) == 4
     for bad in (-1, "two", 1.5):
         with pytest.raises(ParamValidationError):  # the trigger form
             Param(**spec).resolve(value=bad)
@@ -77,7 +77,7 @@ def test_the_result_records_the_depth(tmp_path):
 
 
 def test_the_depth_that_ran_is_logged_and_a_retry_may_differ(recforge_home):
-    """The param train.prefetch_steps is what was configured (2); the tag is the worker's (0: co-run, or the env
+    """The param train.prefetch_steps is what was configured (4); the tag is the worker's (0: co-run, or the env
     override); a retried task whose workers ran another depth overwrites the tag instead of failing."""
     from recforge.tracking import TrackingStore
 
@@ -86,7 +86,7 @@ def test_the_depth_that_ran_is_logged_and_a_retry_may_differ(recforge_home):
     store.log_params(run_id, {"train": PipelineConfig().train.model_dump(mode="json")})  # as the train stage does
     log_prefetch(store, run_id, _result(0))
     data = store.client.get_run(run_id).data
-    assert data.params["train.prefetch_steps"] == "2" and data.tags["prefetch_steps"] == "0"
+    assert data.params["train.prefetch_steps"] == "4" and data.tags["prefetch_steps"] == "0"
     log_prefetch(store, run_id, _result(3))  # the retry
     log_prefetch(store, run_id, _result(None))  # nothing recorded: the tag stays
     assert store.client.get_run(run_id).data.tags["prefetch_steps"] == "3"

@@ -44,8 +44,9 @@ class TrainConfig(StrictModel):
     dense_lr: float = Field(0.002, gt=0, description="learning rate of the dense optimizer")
     batches_per_task: int = Field(8, ge=1, description="data-shard task size handed out by the job master")
     prefetch_steps: int = Field(
-        2, ge=0, description="steps each rank prepares ahead on a thread (lease, read, preprocess); 0 = synchronous "
-        "loop; unused with preprocessing corun (RAP's source reads ahead itself)")
+        4, ge=0, description="steps each rank prepares ahead on a thread (lease, read, preprocess); 0 = synchronous "
+        "loop; unused with preprocessing corun (RAP's source reads ahead itself). 4: the training thread waited "
+        "for its next step ~40% less than at 2 on the 2-core benchmark (docs/performance.md)")
     sparse_dist_pipeline: bool = Field(
         False, description="overlap each step's sparse input all-to-all with the previous step (TorchRec's "
         "TrainPipelineSparseDist); applies with prefetch_steps >= 1, one micro-batch per step and no RAP co-run. Off: "
