@@ -67,6 +67,7 @@ def test_the_config_default_applies_where_the_env_is_silent_and_the_env_override
 
 def test_the_worker_allocator_param_reaches_both_backends(tmp_path, monkeypatch):
     from recforge.config import PipelineConfig
+    from recforge.elastic.backends.k8s_manifests import PodResources, worker_pod
     from recforge.elastic.backends.kubernetes import backend_from_environment
     from recforge.elastic.backends.local import LocalBackend
     from recforge.elastic.job import default_backend
@@ -81,6 +82,12 @@ def test_the_worker_allocator_param_reaches_both_backends(tmp_path, monkeypatch)
     monkeypatch.setenv("RECFORGE_IMAGE", "registry.example.com/recforge:test")
     k8s = backend_from_environment(tmp_path / "master", allocator=resources.allocator)
     assert k8s.settings.allocator == "system"
+    # the Kubernetes job of a TrainingJob document: its resources reach the worker pods' env
+    pods = default_backend(resources.model_copy(update={"backend": "kubernetes"}), tmp_path / "master")
+    env = {e["name"]: e.get("value") for e in worker_pod(
+        pods.settings, index=0, workers=1, generation=0, spec_path="/x", resources=PodResources(cpu=1, memory="1Gi"),
+        threads=1)["spec"]["containers"][0]["env"]}
+    assert env["RECFORGE_ALLOCATOR"] == "system" and not set(env) & set(KEPT)
     with pytest.raises(ParamError, match="worker_allocator"):
         config_from_params({"worker_allocator": "jemalloc"})
     with pytest.raises(ValueError, match="resources.allocator='jemalloc'"):

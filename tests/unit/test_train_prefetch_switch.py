@@ -31,7 +31,7 @@ def test_the_param_reaches_the_worker(steps, tmp_path, monkeypatch):
     assert prefetch_depth(spec, corun=True) == 0  # RAP's co-run source reads ahead itself
 
 
-def test_the_default_is_two_and_a_bad_param_is_refused(tmp_path, monkeypatch):
+def test_the_default_is_four_and_a_bad_param_is_refused(tmp_path, monkeypatch):
     from airflow.sdk import Param
     from airflow.sdk.exceptions import ParamValidationError
 

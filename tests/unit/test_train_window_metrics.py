@@ -56,17 +56,26 @@ def test_the_reporter_adds_the_quality_off_the_calling_thread_in_window_order():
     assert got[3][1] == {"train_loss": 0.4, "samples_per_s": 90.0}
 
 
-def test_a_failing_sink_does_not_fail_the_epoch_and_one_class_windows_carry_no_quality():
+def test_a_failing_sink_or_quality_loses_only_that_window_and_one_class_windows_carry_no_quality(monkeypatch):
+    from recforge.train.loop import window_metrics
     from recforge.train.loop.window_metrics import WindowReporter
 
-    def broken(m, step):
-        raise RuntimeError("tracking store down")
+    calls: list[int] = []
 
-    reporter = WindowReporter(broken)
-    reporter.report({"train_loss": 0.5}, 20, (np.zeros(8, np.float32), np.zeros(8, np.float32)))
-    reporter.close()  # logged, not raised
+    def flaky(m, step):
+        calls.append(step)
+        if step == 20:
+            raise RuntimeError("tracking store down")
+
+    reporter = WindowReporter(flaky)
+    for step in (20, 40):
+        reporter.report({"train_loss": 0.5}, step, (np.zeros(8, np.float32), np.zeros(8, np.float32)))
+    reporter.close()  # logged, not raised; the next window still went out
+    assert calls == [20, 40]
     got: list[dict] = []
     reporter = WindowReporter(lambda m, step: got.append(m))
-    reporter.report({"train_loss": 0.5}, 20, (np.ones(8, np.float32), np.zeros(8, np.float32)))
+    reporter.report({"train_loss": 0.5}, 20, (np.ones(8, np.float32), np.zeros(8, np.float32)))  # one class
+    monkeypatch.setattr(window_metrics, "auc", lambda y, s: 1 / 0)  # the quality fails: the loss still goes out
+    reporter.report({"train_loss": 0.4}, 40, (np.array([0.0, 1.0]), np.array([0.1, 0.2])))
     reporter.close()
-    assert got == [{"train_loss": 0.5}]
+    assert got == [{"train_loss": 0.5}, {"train_loss": 0.4}]

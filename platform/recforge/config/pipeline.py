@@ -54,7 +54,8 @@ class TrainConfig(StrictModel):
     prefetch_sched: Literal["idle", "normal"] = Field(
         "idle", description="scheduling of each rank's prefetch thread: idle (SCHED_IDLE: it takes a core only when "
         "nothing else of the rank wants it, so it does not delay the step and with it the other ranks' collectives) "
-        "or normal; env RECFORGE_PREFETCH_SCHED overrides it for a job (benchmarks)")
+        "or normal; env RECFORGE_PREFETCH_SCHED in the workers' environment overrides it (the local backend passes the "
+        "launching process's: benchmarks)")
     log_every: int = Field(20, ge=1)
     sharding: Literal["auto", "table_wise", "column_wise", "data_parallel"] = "auto"
     fused_embeddings: bool = Field(True, description="FBGEMM TBE with the optimizer applied in backward")
@@ -92,7 +93,8 @@ class ResourceConfig(StrictModel):
     allocator: Literal["kept", "system"] = Field(
         "kept", description="memory allocators of the worker processes: kept (glibc's mmap/trim thresholds fixed "
         "high and Arrow on the system allocator, so freed pages stay with the rank instead of faulting in anew each "
-        "step) or system (every allocator as it is); env RECFORGE_ALLOCATOR overrides it for a job (benchmarks)")
+        "step) or system (every allocator as it is); env RECFORGE_ALLOCATOR in the launching process overrides it for "
+        "a local job (benchmarks)")
     policy: Literal["static", "dlrover"] = Field(
         "dlrover", description="dlrover: DLRover-RM plans the job (stage 1 from MLflow history) and adjusts it while "
         "it trains (stages 2/3); static: exactly `workers` x `threads_per_worker`")

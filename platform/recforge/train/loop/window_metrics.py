@@ -8,8 +8,9 @@ which computes them and passes them on to the metrics sink. Where no sink takes 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -68,35 +69,35 @@ class WindowMetrics:
 
 
 class WindowReporter:
-    """Rank 0's window metrics to `sink` from one background thread, in window order: `report` returns at once;
-    the quality of the rows is computed there and added to the metrics. `close()` waits for what was handed over
-    (every wait bounded). A failure in one window's quality is logged and that window goes without it."""
+    """Rank 0's window metrics to `sink` from one background (daemon) thread, in window order: `report` returns at
+    once; the quality of the rows is computed there and added to the metrics. A failure computing one window's
+    quality is logged and that window goes with its loss alone; a failing sink is logged and the rest still go to it.
+    `close()` waits for what was handed over, at most `timeout_s`."""
 
     def __init__(self, sink: MetricsSink) -> None:
         self.sink = sink
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="window-metrics")
-        self._pending: list[Future] = []
+        self._q: queue.Queue[tuple[dict[str, float], int, Rows | None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._drain, name="window-metrics", daemon=True)
+        self._thread.start()
 
     def report(self, metrics: dict[str, float], step: int, rows: Rows | None) -> None:
-        self._pending = [f for f in self._pending if not f.done()]
-        self._pending.append(self._pool.submit(self._send, dict(metrics), step, rows))
+        self._q.put((dict(metrics), step, rows))
 
-    def _send(self, metrics: dict[str, float], step: int, rows: Rows | None) -> None:
-        if rows is not None:
+    def _drain(self) -> None:
+        while (item := self._q.get()) is not None:
+            metrics, step, rows = item
+            if rows is not None:
+                try:
+                    metrics.update(window_quality(*rows))
+                except Exception as e:  # the window's loss still goes out
+                    log.warning("window metrics at step %d: quality not computed (%r)", step, e)
             try:
-                metrics.update(window_quality(*rows))
-            except (ValueError, FloatingPointError) as e:
-                log.warning("window metrics at step %d: quality not computed (%s)", step, e)
-        self.sink(metrics, step)
+                self.sink(metrics, step)
+            except Exception as e:  # tracking trouble must not fail training (AsyncMetricsSink logs its own)
+                log.warning("window metrics at step %d not reported (%r)", step, e)
 
     def close(self, timeout_s: float = 60.0) -> None:
-        for f in self._pending:
-            try:
-                f.result(timeout=timeout_s)
-            except TimeoutError:
-                log.warning("window metrics not reported within %.0fs; dropping the rest", timeout_s)
-                break
-            except Exception as e:  # the sink's own failure must not fail the epoch (AsyncMetricsSink logs its own)
-                log.warning("window metrics not reported (%r)", e)
-        self._pending = []
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._q.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("window metrics not reported within %.0fs; dropping the rest", timeout_s)
