@@ -306,7 +306,7 @@ def predict(point: Point, threads: int, corun_threads: int, steps_per_point: int
         "capacity_ms": {s: round(v, 3) for s, v in profile.capacity_ms.items()},
         "ideal_step_ms": ideal, "inline_step_ms": ideal + inline_prep, "corun_step_ms": corun,
         "inline_preprocess_ms": inline_prep, "corun_kernel_ms": kernels, "unhidden_ms": unhidden,
-        "hidden_fraction": 1.0 - unhidden / kernels if kernels > 0 else 1.0,
+        "hidden_fraction": min(1.0, max(0.0, 1.0 - unhidden / kernels)) if kernels > 0 else 1.0,  # (rounding: -2e-16)
         "corun_vs_ideal": ideal / corun, "corun_vs_inline": (ideal + inline_prep) / corun,
         "share": inline_prep / (ideal + inline_prep),
         # corun_early: the whole batch (inline's own executor call) from emb_fwd, spanning every stage's capacity
