@@ -48,7 +48,7 @@ from _results import cpu_model, write_report  # bench/_results.py (bench/ is the
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS_PER_SHARD = 50_000
 SIDES = ("recforge", "reference", "recforge_sync", "recforge_pipelined", "recforge_normal", "recforge_system_alloc",
-         "reference_kept_alloc")
+         "reference_kept_alloc", "recforge_torchrec_model")
 # env of recforge's sides (JOB_ENV's variables are cleared first): recforge_pipelined turns on TorchRec's input-dist
 # pipeline in the step loop (recforge.train.loop.pipelined; off by default); recforge_normal runs the prefetch thread
 # at normal priority (the default is SCHED_IDLE: it takes a core only when nothing else of the rank's wants it);
@@ -57,6 +57,9 @@ SIDES = ("recforge", "reference", "recforge_sync", "recforge_pipelined", "recfor
 SIDE_ENV = {"recforge_pipelined": {"RECFORGE_TRAIN_PIPELINE": "1"},
             "recforge_normal": {"RECFORGE_PREFETCH_SCHED": "normal"},
             "recforge_system_alloc": {"RECFORGE_ALLOCATOR": "system"}}
+# TrainConfig fields of recforge's sides: recforge_torchrec_model trains torchrec's DLRM modules as they ship (the
+# reference's model) in place of recforge's fused interaction (train.fused_interaction, recforge.train.model)
+SIDE_TRAIN: dict[str, dict[str, Any]] = {"recforge_torchrec_model": {"fused_interaction": False}}
 JOB_ENV = ("RECFORGE_STEP_PHASES", "RECFORGE_TRAIN_PREFETCH", "RECFORGE_TRAIN_PIPELINE", "RECFORGE_PREFETCH_SCHED",
            "RECFORGE_ALLOCATOR")
 # samples/s ratios reported where both sides ran: (key, numerator side, denominator side)
@@ -64,7 +67,8 @@ RATIOS = (("ratio_prefetch_vs_sync", "recforge", "recforge_sync"),
           ("ratio_pipelined_vs_not", "recforge_pipelined", "recforge"),
           ("ratio_idle_prefetch_vs_normal", "recforge", "recforge_normal"),
           ("ratio_kept_vs_system_alloc", "recforge", "recforge_system_alloc"),
-          ("ratio_vs_reference_kept_alloc", "recforge", "reference_kept_alloc"))
+          ("ratio_vs_reference_kept_alloc", "recforge", "reference_kept_alloc"),
+          ("ratio_fused_vs_torchrec_model", "recforge", "recforge_torchrec_model"))
 REFERENCE_BYTES_PER_ROW = 1200  # measured order: raw + preprocessed + batched copies, per process holding the rows
 
 
@@ -143,12 +147,14 @@ def reference_rows(root: Path, ds, plan, train_manifest, eval_manifest) -> Path:
 
 
 def run_recforge(root: Path, ds, plan, train_manifest, *, workers: int, threads: int, batch: int, seed: int,
-                 tag: str, prefetch: int | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+                 tag: str, prefetch: int | None = None, env: dict[str, str] | None = None,
+                 train_fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """One real training job over every training row; samples/s from the worker's result, AUC on the held-out day.
     `prefetch`: the spec's train.prefetch_steps (0: the synchronous loop), env RECFORGE_TRAIN_PREFETCH cleared for
     the job; None: TrainConfig's default, which that env var overrides where set. The depth reported is the one the
     workers ran (their result). `env`: variables set for the job (SIDE_ENV; RECFORGE_TRAIN_PIPELINE=1: the step loop
-    with TorchRec's input-dist pipeline, recforge.train.loop.pipelined); the others of JOB_ENV are cleared."""
+    with TorchRec's input-dist pipeline, recforge.train.loop.pipelined); the others of JOB_ENV are cleared.
+    `train_fields`: TrainConfig fields of the side (SIDE_TRAIN)."""
     from recforge.config import ModelConfig, ResourceConfig, TrainConfig
     from recforge.config.pipeline import CheckpointConfig
     from recforge.elastic.backends.local import LocalBackend
@@ -163,7 +169,8 @@ def run_recforge(root: Path, ds, plan, train_manifest, *, workers: int, threads:
     job = root / "jobs" / tag
     shutil.rmtree(job, ignore_errors=True)
     model, ck = ModelConfig(), CheckpointConfig()
-    train = TrainConfig(batch_size=batch, **({"prefetch_steps": prefetch} if prefetch is not None else {}))
+    train = TrainConfig(batch_size=batch, **({"prefetch_steps": prefetch} if prefetch is not None else {}),
+                        **(train_fields or {}))
     phases_dir = job / "phases"
     spec = WorkerSpec(
         manifest_dir=root / "train", plan_path=root / "plan.json", preprocess_executor="fused", dataset=ds,
@@ -203,7 +210,8 @@ def run_recforge(root: Path, ds, plan, train_manifest, *, workers: int, threads:
            "sharding_plan": worker["sharding_plan"], "phases": phases,
            "checkpoints": sum(e["event"] == "checkpoint" for e in events),
            "checkpoint_stall_s": sum(float(e.get("stall_s") or 0.0) for e in events if e["event"] == "checkpoint"),
-           "prefetch_depth": worker.get("prefetch_steps"), "env": env or {}}
+           "prefetch_depth": worker.get("prefetch_steps"), "interaction": worker.get("interaction"),
+           "env": env or {}, "train_fields": train_fields or {}}
     shutil.rmtree(job, ignore_errors=True)
     return out
 
@@ -263,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                          "in its step loop: RECFORGE_TRAIN_PIPELINE=1), recforge_normal (its prefetch thread at "
                          "normal priority instead of SCHED_IDLE: RECFORGE_PREFETCH_SCHED=normal), "
                          "recforge_system_alloc (its ranks with every allocator as it is: RECFORGE_ALLOCATOR=system), "
-                         "reference_kept_alloc (the reference's ranks with recforge's allocator settings)")
+                         "reference_kept_alloc (the reference's ranks with recforge's allocator settings), "
+                         "recforge_torchrec_model (recforge training torchrec's DLRM modules as they ship, the "
+                         "reference's model: train.fused_interaction=false)")
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_train_peer.json")
     args = ap.parse_args(argv)
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
@@ -311,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                         rnd[side] = run_recforge(root, ds, plan, train_m, workers=args.workers, threads=args.threads,
                                                  batch=args.batch, seed=args.seed, tag=f"{side}{i}",
                                                  prefetch=0 if side == "recforge_sync" else None,
-                                                 env=SIDE_ENV.get(side))
+                                                 env=SIDE_ENV.get(side), train_fields=SIDE_TRAIN.get(side))
                     else:
                         assert data_path is not None
                         ours = next((rnd[s] for s in SIDES if s.startswith("recforge") and s in rnd), None)  # its plan

@@ -80,7 +80,7 @@ def _step_worker(rank, world, port, out_dir):
         probe_dense, probe_ids, _ = _data()
         for sharding, fused in CASES:
             torch.manual_seed(0)
-            model = build_dlrm(_model_cfg(), TABLES, NUM_DENSE)
+            model = build_dlrm(_model_cfg(), TABLES, NUM_DENSE, fused=True)  # the trainer's modules
             train = TrainConfig(sharding=sharding, fused_embeddings=fused, embedding_lr=0.2, dense_lr=0.1)
             sm = shard_model(model, train, world_size=world, device=torch.device("cpu"), dense_optimizer="sgd")
             for ranges in STEPS:

@@ -1,7 +1,8 @@
 """The train task runs the prefetch depth the trigger form set (train.prefetch_steps) and records what ran: the
 worker result's prefetch_steps and the train run's MLflow tag, the env override's value where that is set; likewise
 train.sparse_dist_pipeline (TorchRec's TrainPipelineSparseDist in the step loop), train.prefetch_sched (the
-prefetch thread's scheduling) and resources.allocator (the ranks' allocators)."""
+prefetch thread's scheduling), resources.allocator (the ranks' allocators) and train.fused_interaction (the dot
+interaction's C++ kernel, tag `interaction`)."""
 from __future__ import annotations
 
 import pytest
@@ -24,7 +25,8 @@ def _train(home, key: str, prefetch_steps: int, sparse_dist_pipeline: bool = Fal
     ctx = RunContext.create(key, {**CONF, "train": {"batch_size": 128, "log_every": 2, "batches_per_task": 2,
                                                     "prefetch_steps": prefetch_steps,
                                                     "sparse_dist_pipeline": sparse_dist_pipeline,
-                                                    "prefetch_sched": more.get("prefetch_sched", "idle")},
+                                                    "prefetch_sched": more.get("prefetch_sched", "idle"),
+                                                    "fused_interaction": more.get("fused_interaction", True)},
                                 "resources": {**CONF["resources"], "allocator": more.get("allocator", "kept")}},
                              home=home)
     generate(ctx)
@@ -38,12 +40,14 @@ def _train(home, key: str, prefetch_steps: int, sparse_dist_pipeline: bool = Fal
 
 def test_the_configured_depth_runs_and_the_override_is_what_is_recorded(recforge_home, monkeypatch):
     monkeypatch.delenv("RECFORGE_TRAIN_PREFETCH", raising=False)
-    sync, worker, data = _train(recforge_home, "sync", 0)
+    sync, worker, data = _train(recforge_home, "sync", 0, fused_interaction=False)
     assert worker.prefetch_steps == 0 and sync.steps == 10  # 1200 rows in batches of 128
     assert (data.params["train.prefetch_steps"], data.tags["prefetch_steps"]) == ("0", "0")
     assert worker.sparse_dist_pipeline is False and data.tags["sparse_dist_pipeline"] == "false"
     assert worker.prefetch_sched is None and "prefetch_sched" not in data.tags  # no prefetch thread ran
     assert worker.allocator == "kept" and data.tags["allocator"] == "kept"  # the ranks' default allocator settings
+    assert worker.interaction == "torchrec" and data.tags["interaction"] == "torchrec"  # the form switched it off
+    assert data.params["train.fused_interaction"] == "False"
 
     monkeypatch.setenv("RECFORGE_TRAIN_PREFETCH", "1")  # the workers' override: what ran, not what was configured
     monkeypatch.delenv("RECFORGE_TRAIN_PIPELINE", raising=False)
@@ -55,6 +59,8 @@ def test_the_configured_depth_runs_and_the_override_is_what_is_recorded(recforge
     assert worker.prefetch_steps == 1 and ahead.steps == sync.steps
     assert worker.prefetch_sched == "normal" and data.tags["prefetch_sched"] == "normal"
     assert worker.allocator == "system" and data.tags["allocator"] == "system"
+    # recforge's kernel by default, inside TorchRec's pipeline too (its fx trace records the torch path)
+    assert worker.interaction == "cpp" and data.tags["interaction"] == "cpp"
     assert (data.params["train.prefetch_steps"], data.tags["prefetch_steps"]) == ("3", "1")
     # the trigger form's sparse_dist_pipeline ran TorchRec's TrainPipelineSparseDist over the prefetched steps
     assert worker.sparse_dist_pipeline is True and data.tags["sparse_dist_pipeline"] == "true"

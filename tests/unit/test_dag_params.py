@@ -22,8 +22,8 @@ SWITCHES = {
     "preprocess_plan", "resources_policy", "max_restarts", "checkpoint_every_steps", "checkpoint_flash", "warm_start",
     "champion_margin", "champion_min_auc", "champion_min_rows", "job_timeout_s",
     "ready_marker", "holdout", "holdout_fraction", "sensor_timeout_s", "sensor_poke_s", "prefetch_steps",
-    "sparse_dist_pipeline", "prefetch_sched", "worker_allocator", "embedding_optimizer", "embedding_lr",
-    "dense_optimizer", "dense_lr",
+    "sparse_dist_pipeline", "prefetch_sched", "fused_interaction", "worker_allocator", "embedding_optimizer",
+    "embedding_lr", "dense_optimizer", "dense_lr",
 }
 
 

@@ -56,6 +56,7 @@ PARAM_FIELDS: dict[str, tuple[str, ...]] = {
     "prefetch_steps": ("train", "prefetch_steps"),
     "sparse_dist_pipeline": ("train", "sparse_dist_pipeline"),
     "prefetch_sched": ("train", "prefetch_sched"),
+    "fused_interaction": ("train", "fused_interaction"),
     "workers": ("resources", "workers"),
     "threads_per_worker": ("resources", "threads_per_worker"),
     "worker_allocator": ("resources", "allocator"),

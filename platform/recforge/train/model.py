@@ -1,13 +1,23 @@
-"""DLRM / DLRM-DCN over one EmbeddingBagCollection table per sparse feature (torchrec)."""
+"""DLRM / DLRM-DCN over one EmbeddingBagCollection table per sparse feature (torchrec).
+
+`build_dlrm(..., fused=True)` (what the trainer builds by default, train.fused_interaction) swaps two of torchrec's
+parameter-free submodules for faster ones with the same math, names and state dict: `FusedInteractionArch` (DLRM's
+dot interaction as one C++ kernel each way, recforge_kernels.interaction) and `KeyOrderSparseArch` (the pooled
+embeddings as a view of the KeyedTensor when its keys are already in feature order, not 26 slices concatenated).
+`fused=False` is torchrec's DLRM as it ships: what checkpoints load into (the registered, pickled model needs only
+torch / torchrec) and the peer benchmark's reference trains. Design: docs/performance.md ("Twelfth session").
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
-from torchrec.models.dlrm import DLRM, DLRM_DCN
+from torchrec.models.dlrm import DLRM, DLRM_DCN, InteractionArch, SparseArch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recforge.config import ModelConfig
+from recforge_kernels.interaction import dot_interaction
 
 EBC_PATH = "sparse_arch.embedding_bag_collection"  # module path of the EBC inside DLRM
 
@@ -32,16 +42,51 @@ def embedding_configs(tables: Sequence[tuple[str, int]], embedding_dim: int) -> 
     return configs
 
 
+class FusedInteractionArch(InteractionArch):
+    """torchrec's InteractionArch (same output, same pair order) computed by recforge_kernels.interaction."""
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        if self.F <= 0:
+            return dense_features
+        return dot_interaction(dense_features, sparse_features)
+
+
+class KeyOrderSparseArch(SparseArch):
+    """torchrec's SparseArch: [B, F, D] pooled embeddings in sparse_feature_names order. When the EBC's KeyedTensor
+    already holds its keys in that order (every key D wide), that is a view of its values; otherwise (and under fx
+    tracing) the pieces are concatenated as torchrec does."""
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        kt = self.embedding_bag_collection(features)
+        if not isinstance(kt, torch.fx.Proxy) and kt.keys() == self.sparse_feature_names:
+            return kt.values().reshape(-1, self.F, self.D)
+        pieces = kt.to_dict()
+        return torch.cat([pieces[name] for name in self.sparse_feature_names], dim=1).reshape(-1, self.F, self.D)
+
+
+def interaction_kind(model: torch.nn.Module, device: torch.device | str = "cpu") -> str:
+    """How `model`'s interaction runs on `device`: "cpp" (FusedInteractionArch over the C++ kernel), "torch" (its
+    fallback: the kernel is unavailable, or not a CPU device) or "torchrec" (torchrec's own module)."""
+    if not isinstance(getattr(model, "inter_arch", None), FusedInteractionArch):
+        return "torchrec"
+    from recforge_kernels.interaction import extension  # lazy: builds the kernel on first call
+
+    return "cpp" if torch.device(device).type == "cpu" and extension() is not None else "torch"
+
+
 def build_dlrm(
     model_cfg: ModelConfig,
     tables: Sequence[tuple[str, int]],
     num_dense: int,
     device: torch.device | str = "cpu",
+    *,
+    fused: bool = False,
 ) -> torch.nn.Module:
     """forward(dense_features [B, num_dense] float, sparse_features KJT) -> logits [B, 1].
 
     Initialization draws from torch's global RNG: call under torch.manual_seed(seed) and two builds are
-    identical (the distributed worker relies on this to start every rank from the same weights).
+    identical (the distributed worker relies on this to start every rank from the same weights), fused or not.
+    `fused`: the faster interaction and sparse arch (module docstring; DLRM-DCN gets the sparse arch only).
     """
     if num_dense < 1:
         raise ValueError(f"num_dense: DLRM needs at least one dense feature, got {num_dense}")
@@ -54,8 +99,16 @@ def build_dlrm(
         over_arch_layer_sizes=list(model_cfg.over_arch),
         dense_device=device,
     )
+    model: DLRM
     if model_cfg.arch == "dlrm":
-        return DLRM(**common)
-    if model_cfg.arch == "dlrm_dcn":
-        return DLRM_DCN(**common, dcn_num_layers=model_cfg.dcn_num_layers, dcn_low_rank_dim=model_cfg.dcn_low_rank_dim)
-    raise ValueError(f"model.arch: unknown {model_cfg.arch!r}")
+        model = DLRM(**common)
+    elif model_cfg.arch == "dlrm_dcn":
+        model = DLRM_DCN(**common, dcn_num_layers=model_cfg.dcn_num_layers,
+                         dcn_low_rank_dim=model_cfg.dcn_low_rank_dim)
+    else:
+        raise ValueError(f"model.arch: unknown {model_cfg.arch!r}")
+    if fused:  # parameter-free modules: no RNG drawn, the state dict unchanged
+        model.sparse_arch = KeyOrderSparseArch(ebc)
+        if model_cfg.arch == "dlrm":
+            model.inter_arch = FusedInteractionArch(num_sparse_features=model.inter_arch.F)
+    return model

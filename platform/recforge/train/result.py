@@ -105,6 +105,10 @@ class WorkerResult(_Record):
     sparse_dist_pipeline: bool | None = Field(
         None, description="whether the step loop ran TorchRec's TrainPipelineSparseDist (train.sparse_dist_pipeline "
         "or env RECFORGE_TRAIN_PIPELINE, where it applies); None: not recorded")
+    interaction: Literal["cpp", "torch", "torchrec"] | None = Field(
+        None, description="how the model's dot interaction ran: cpp (recforge's C++ kernel, train.fused_interaction), "
+        "torch (its torch fallback: the kernel could not be built) or torchrec (torchrec's module: "
+        "train.fused_interaction off, or DLRM-DCN's cross net); None: not recorded")
 
     def save(self, output_dir: str | Path) -> Path:
         """Write `output_dir`/result.json atomically (temp file + rename)."""

@@ -42,7 +42,7 @@ from recforge.train.loop.step_loop import (
 )
 from recforge.train.loop.window import GroupStop, WindowHook
 from recforge.train.metrics_sink import AsyncMetricsSink, LogFn
-from recforge.train.model import build_dlrm
+from recforge.train.model import build_dlrm, interaction_kind
 from recforge.train.probe import probe_logits
 from recforge.train.recovery.checkpoint import save_checkpoint
 from recforge.train.recovery.checkpointer import Checkpointer
@@ -210,7 +210,8 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
     # what every checkpoint of this run holds: loaders refuse one of another model or plan (layout.check_compatible)
     model_fingerprint = fingerprint(spec.model.model_dump(mode="json"), tables, num_dense, plan.model_dump(mode="json"))
     torch.manual_seed(spec.seed)
-    model = build_dlrm(spec.model, tables, num_dense, device)
+    model = build_dlrm(spec.model, tables, num_dense, device, fused=spec.train.fused_interaction)
+    interaction = interaction_kind(model, device)  # builds the C++ kernel here (once per machine), not in step 1
     mapping = worker_mapping(spec, world_size, rank)  # RAP's mapping (co-run with a planned mapping), else None
     # (planned for another world size: its tables' kinds on this one, not executed; the checkpoint's states match)
     sharded = shard_model(model, spec.train, world_size=world_size, device=device,
@@ -366,6 +367,7 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
         prefetch_sched=ran_sched,
         sparse_dist_pipeline=ran_pipelined,
         allocator=allocator_ran(),
+        interaction=interaction,
     )
     out = Path(spec.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -203,7 +203,8 @@ def log_prefetch(store, run_id: str, worker: WorkerResult) -> None:
     value) as tag `prefetch_steps`: a tag, since a retried task may run another depth than an earlier attempt
     logged; the param `train.prefetch_steps` stays what was configured. Likewise tag `sparse_dist_pipeline`: whether
     the step loop ran TorchRec's TrainPipelineSparseDist, tag `prefetch_sched`: the prefetch thread's scheduling, and
-    tag `allocator`: the ranks' allocator mode."""
+    tag `allocator`: the ranks' allocator mode, tag `interaction`: how the dot interaction ran (cpp / torch /
+    torchrec)."""
     if worker.prefetch_steps is not None:
         store.set_tags(run_id, {"prefetch_steps": worker.prefetch_steps})
     if worker.sparse_dist_pipeline is not None:
@@ -212,6 +213,8 @@ def log_prefetch(store, run_id: str, worker: WorkerResult) -> None:
         store.set_tags(run_id, {"prefetch_sched": worker.prefetch_sched})
     if worker.allocator is not None:
         store.set_tags(run_id, {"allocator": worker.allocator})
+    if worker.interaction is not None:
+        store.set_tags(run_id, {"interaction": worker.interaction})
 
 
 def load_trained(ctx: RunContext):

@@ -97,7 +97,8 @@ def job_step(cfg, plan: Plan, dataset, manifest_dir: str | Path, world_size: int
     batches = first_batches(manifest_dir, dataset, executor, batch_size, BATCHES, device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # this process's RNG unmoved
         torch.manual_seed(cfg.seed)
-        model = build_dlrm(cfg.model, plan.tables(), len(plan.dense_features()), device)
+        model = build_dlrm(cfg.model, plan.tables(), len(plan.dense_features()), device,
+                           fused=cfg.train.fused_interaction)
     sharded = shard_model(model, cfg.train, world_size=world_size, device=device)
     net, opt = sharded.model, sharded.optimizer
     net.train()

@@ -1,0 +1,135 @@
+"""DLRM's dot interaction, forward and backward, as one C++ kernel each (csrc/interaction_cpu.cpp).
+
+`dot_interaction(dense [B, D], sparse [B, F, D])` returns [B, D + (F + 1) F / 2]: the dense vector, then the dot
+product of every pair i < j of the F + 1 vectors in torch.triu_indices(F + 1, F + 1, 1) order, as torchrec's
+`InteractionArch` computes it with a batched matmul, an advanced-index gather of the upper triangle and a
+concatenation (and autograd's index_put and two batched matmuls backward). The kernel computes only the pairs, with
+one row per SIMD lane, and writes the concatenated output directly; on the 2-core benchmark machine that is
+~0.7 ms forward + backward at B = 512, F = 26, D = 16 against ~4.7 ms (bench/bench_interaction.py).
+
+The extension is built on first use into the kernels' cache (cpu_ext.cache_dir), keyed by the source, the flags, the
+torch build and the CPU. Without it (RECFORGE_NO_CPP=1, no compiler: logged once), and wherever a graph is being
+captured (torch.fx symbolic tracing, torch.compile / torch.export: RECom's compiler), the same values come from
+`dot_interaction_torch` (a batched matmul and one index_select).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from recforge_kernels.cpu_ext import MARCH, cache_dir, clear_stale_lock, cpu_signature
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "interaction_cpu.cpp"
+FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp-simd", "-std=c++17"]
+KERNEL_DTYPES = (torch.float32, torch.float64)
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+_pairs: dict[int, Tensor] = {}
+
+
+def build_name() -> str:
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), cpu_signature().encode(),
+                 f"{torch.__version__} {os.path.dirname(torch.__file__)}".encode()):
+        h.update(part)
+    return f"recforge_interaction_{h.hexdigest()[:16]}"
+
+
+def extension() -> Any | None:
+    """The compiled kernels (built on the first call; later processes load them from the cache), or None when they
+    cannot be built or RECFORGE_NO_CPP=1 (`status()` says why)."""
+    if "module" in _state:
+        return _state["module"]
+    with _lock:
+        if "module" in _state:
+            return _state["module"]
+        if os.environ.get("RECFORGE_NO_CPP") == "1":
+            _state["module"], _state["why"] = None, "RECFORGE_NO_CPP=1"
+            return None
+        try:
+            from torch.utils.cpp_extension import load  # lazy: the C++ toolchain glue, only on a build
+
+            build = cache_dir() / build_name()
+            build.mkdir(parents=True, exist_ok=True)
+            clear_stale_lock(build)
+            _state["module"] = load(name=build.name, sources=[str(SOURCE)], extra_cflags=FLAGS,
+                                    build_directory=str(build), verbose=False)
+            _state["why"] = f"built in {build}"
+        except Exception as e:  # no compiler or headers: the torch path gives the same values
+            log.warning("recforge_kernels: the C++ dot interaction could not be built (%s); using the torch path", e)
+            _state["module"], _state["why"] = None, repr(e)
+        return _state["module"]
+
+
+def status() -> str:
+    """Why the C++ kernels are (not) in use, for logs and reports."""
+    return str(_state.get("why", "not loaded yet"))
+
+
+def pair_index(n: int) -> Tensor:
+    """Flat indices i * n + j of the pairs i < j of n vectors, in torch.triu_indices(n, n, 1) order."""
+    idx = _pairs.get(n)
+    if idx is None:
+        tri = torch.triu_indices(n, n, offset=1)
+        idx = _pairs.setdefault(n, (tri[0] * n + tri[1]).contiguous())
+    return idx
+
+
+def dot_interaction_torch(dense: Tensor, sparse: Tensor) -> Tensor:
+    """The reference computation in torch ops (what the kernel must equal; traceable by fx and torch.export)."""
+    combined = torch.cat((dense.unsqueeze(1), sparse), dim=1)
+    gram = torch.bmm(combined, combined.transpose(1, 2))
+    idx = pair_index(combined.shape[1]).to(gram.device)
+    return torch.cat((dense, gram.flatten(1).index_select(1, idx)), dim=1)
+
+
+class _DotInteraction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, dense: Tensor, sparse: Tensor) -> Tensor:
+        ctx.save_for_backward(dense, sparse)
+        return _state["module"].forward(dense, sparse)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        dense, sparse = ctx.saved_tensors
+        grad_dense, grad_sparse = _state["module"].backward(grad, dense, sparse)
+        return grad_dense, grad_sparse
+
+
+def _capturing(*xs: Any) -> bool:
+    """Whether a graph is being captured (fx proxies, torch.compile / torch.export): the torch path is recorded."""
+    return (torch.compiler.is_compiling() or torch.fx._symbolic_trace.is_fx_symbolic_tracing()
+            or any(isinstance(x, torch.fx.Proxy) for x in xs))
+
+
+def uses_kernel(dense: Any, sparse: Any) -> bool:
+    """Whether dot_interaction(dense, sparse) runs the C++ kernels (else the torch path)."""
+    if _capturing(dense, sparse):
+        return False
+    if dense.device.type != "cpu" or sparse.device.type != "cpu" or dense.dtype not in KERNEL_DTYPES:
+        return False
+    return extension() is not None
+
+
+def dot_interaction(dense: Tensor, sparse: Tensor) -> Tensor:
+    """[dense, dot(v_i, v_j) for i < j] per row (see the module docstring); shapes are checked, naming both."""
+    if _capturing(dense, sparse):
+        return dot_interaction_torch(dense, sparse)
+    if dense.dim() != 2 or sparse.dim() != 3 or sparse.shape[0] != dense.shape[0] or sparse.shape[2] != dense.shape[1]:
+        raise ValueError(f"dot_interaction: dense must be [B, D] and sparse [B, F, D], got {tuple(dense.shape)} and "
+                         f"{tuple(sparse.shape)}")
+    if dense.dtype != sparse.dtype:
+        raise ValueError(f"dot_interaction: dense is {dense.dtype}, sparse {sparse.dtype}")
+    if not uses_kernel(dense, sparse):
+        return dot_interaction_torch(dense, sparse)
+    return _DotInteraction.apply(dense, sparse)
