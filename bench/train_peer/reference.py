@@ -82,13 +82,19 @@ class TrainModule(torch.nn.Module):
         return loss, (loss.detach(), logits.detach(), batch.labels)
 
 
+def torchrec_dlrm(model_cfg: ModelConfig, tables: list[tuple[str, int]], num_dense: int) -> torch.nn.Module:
+    """The reference's model: torchrec's DLRM modules as they ship (recforge's trainer swaps in its fused interaction
+    and sparse arch, train.fused_interaction; the same configuration and initial weights)."""
+    return build_dlrm(model_cfg, tables, num_dense, "cpu", fused=False)
+
+
 def build(model_cfg: ModelConfig, train: TrainConfig, tables: list[tuple[str, int]], num_dense: int, world: int,
           seed: int, pinned: dict[str, str] | None = None,
           ) -> tuple[DistributedModelParallel, CombinedOptimizer, dict[str, Any]]:
     """DMP over TrainModule(DLRM): the planner under recforge's constraints (the same plan), RowWiseAdagrad in
     backward for the fused tables, Adam for the dense parameters, recforge's learning rates."""
     torch.manual_seed(seed)
-    dlrm = build_dlrm(model_cfg, tables, num_dense, "cpu")
+    dlrm = torchrec_dlrm(model_cfg, tables, num_dense)
     module = TrainModule(dlrm)
     init = {k: v.detach().clone() for k, v in module.state_dict().items()}
     sharders = [EmbeddingBagCollectionSharder()]

@@ -84,3 +84,23 @@ def test_allocator_sides_are_summarized_against_recforge(bench):
     assert out["ratio_vs_reference_kept_alloc"] == pytest.approx(105.0 / 125.0)
     assert bench.SIDE_ENV["recforge_system_alloc"] == {"RECFORGE_ALLOCATOR": "system"}
     assert "RECFORGE_ALLOCATOR" in bench.JOB_ENV  # cleared for the other sides
+
+
+def test_the_torchrec_model_side_is_recforge_without_its_fused_interaction(bench):
+    """recforge_torchrec_model trains torchrec's DLRM modules (the reference's model) in recforge's loop; its ratio is
+    recforge's over it; the reference builds torchrec's stock DLRM."""
+    from torchrec.models.dlrm import InteractionArch, SparseArch
+
+    from recforge.config import ModelConfig, TrainConfig
+    from train_peer.reference import torchrec_dlrm
+
+    def side(sps):
+        return {"samples_per_s": sps, "heldout_auc": 0.77, "phases": [{"steps": 10, "forward_s": 0.2}]}
+
+    rounds = [{"recforge": side(s), "recforge_torchrec_model": side(t)} for s, t in [(115.0, 100.0), (120.0, 100.0)]]
+    assert bench.summarize(rounds)["ratio_fused_vs_torchrec_model"] == pytest.approx(117.5 / 100.0)
+    assert bench.SIDE_TRAIN["recforge_torchrec_model"] == {"fused_interaction": False}
+    assert TrainConfig(**bench.SIDE_TRAIN["recforge_torchrec_model"]).fused_interaction is False
+    assert TrainConfig().fused_interaction is True  # the recforge side: the default
+    model = torchrec_dlrm(ModelConfig(), [("C1", 10), ("C2", 5)], 3)
+    assert type(model.inter_arch) is InteractionArch and type(model.sparse_arch) is SparseArch

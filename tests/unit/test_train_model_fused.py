@@ -75,7 +75,8 @@ class _PermutedEBC(torch.nn.Module):
         return KeyedTensor(keys=keys, length_per_key=[self.dim] * len(keys), values=values)
 
 
-def test_sparse_arch_falls_back_when_keys_are_out_of_order():
+def test_sparse_arch_reorders_keys_out_of_feature_order():
+    """As a sharded EBC returns them: grouped by sharding type and rank, not in feature order."""
     stock, fused = _pair()
     arch = fused.sparse_arch
     names = list(arch.sparse_feature_names)
@@ -85,6 +86,24 @@ def test_sparse_arch_falls_back_when_keys_are_out_of_order():
     assert out.shape == (3, len(names), 8)
     for i in range(len(names)):  # feature i's column is table i's vector, whatever order the keys came in
         assert torch.equal(out[:, i], arch.embedding_bag_collection.tables[i].detach().expand(3, 8))
+    out.square().sum().backward()  # each table's gradient reaches it through the reordering
+    grads = arch.embedding_bag_collection.tables.grad
+    torch.testing.assert_close(grads, 2 * 3 * arch.embedding_bag_collection.tables.detach())
+
+
+def test_sparse_arch_concatenates_when_keys_are_not_one_per_feature():
+    stock, fused = _pair()
+    arch = fused.sparse_arch
+    names = list(arch.sparse_feature_names)
+    ebc = _PermutedEBC(names, 8)
+    arch.embedding_bag_collection = ebc
+    assert arch._order(names[::-1][:-1] + ["other"], [8] * len(names)) is None  # a key that is no feature
+    assert arch._order(names[::-1], [8] * (len(names) - 1) + [4]) is None  # a key of another width
+    _, kjt = _inputs(2)
+    arch._orders[tuple(names[::-1])] = None  # as if the keys were refused: torchrec's concatenation runs
+    out = arch(kjt)
+    for i in range(len(names)):
+        assert torch.equal(out[:, i], ebc.tables[i].detach().expand(2, 8))
 
 
 def test_interaction_kind_names_what_runs():

@@ -114,6 +114,8 @@ def test_refuses_bad_arguments(manifest_dir):
     _, inner = _source(manifest_dir, [])
     with pytest.raises(ValueError, match="must be >= 1"):
         PrefetchBatches(inner, depth=0)
+    with pytest.raises(ValueError, match="counts_per_reduce"):
+        PrefetchBatches(inner, counts_per_reduce=0)
     with pytest.raises(ValueError, match="process group"):
         PrefetchBatches(inner, world_size=2)
 
@@ -138,8 +140,11 @@ def _groups(name: str) -> dict[int, dist.ProcessGroup]:
     return groups
 
 
-def test_two_ranks_share_counts_and_end_together(manifest_dir):
-    world, side = _groups("world"), _groups("side")
+@pytest.mark.parametrize("counts_per_reduce,depth", [(1, 2), (2, 2), (4, 3), (9, 1)])
+def test_two_ranks_share_counts_and_end_together(manifest_dir, counts_per_reduce, depth):
+    """Whatever number of steps one side all_reduce counts (9 steps: the epoch's end inside the first group; 4 of
+    depth 3: the end inside the third), every rank gets the same steps and counts, and they end on the same one."""
+    world, side = _groups(f"world{counts_per_reduce}"), _groups(f"side{counts_per_reduce}")
     results: dict[int, dict] = {}
     errors: list[BaseException] = []
 
@@ -147,8 +152,8 @@ def test_two_ranks_share_counts_and_end_together(manifest_dir):
         try:
             client = FakeClient([task(*t) for t in RANK_TASKS[rank]])
             ex = TorchExecutor(criteo_plan(DS, table_cap=16), DS)
-            src = PrefetchBatches(TaskBatches(client, manifest_dir, DS, ex, batch_size=16, device=CPU), depth=2,
-                                  group=side[rank], world_size=2, timeout_s=60)
+            src = PrefetchBatches(TaskBatches(client, manifest_dir, DS, ex, batch_size=16, device=CPU), depth=depth,
+                                  group=side[rank], world_size=2, timeout_s=60, counts_per_reduce=counts_per_reduce)
             steps = []
             while (step := src.next_step()) is not None:
                 dist.all_reduce(torch.zeros(1), group=world[rank])  # the trainer's own collective, beside the thread's

@@ -52,14 +52,35 @@ class FusedInteractionArch(InteractionArch):
 
 
 class KeyOrderSparseArch(SparseArch):
-    """torchrec's SparseArch: [B, F, D] pooled embeddings in sparse_feature_names order. When the EBC's KeyedTensor
-    already holds its keys in that order (every key D wide), that is a view of its values; otherwise (and under fx
-    tracing) the pieces are concatenated as torchrec does."""
+    """torchrec's SparseArch: [B, F, D] pooled embeddings in sparse_feature_names order. The EBC's KeyedTensor holds
+    every key D wide: in that order its values are the answer as a view; in another order (a sharded EBC groups its
+    keys by sharding type and rank) one index_select of whole keys reorders them. Otherwise, and under fx tracing,
+    the pieces are concatenated as torchrec does."""
+
+    def __init__(self, embedding_bag_collection: EmbeddingBagCollection) -> None:
+        super().__init__(embedding_bag_collection)
+        self._orders: dict[tuple[str, ...], torch.Tensor | None] = {}
+
+    def _order(self, keys: list[str], widths: list[int]) -> torch.Tensor | None:
+        """Positions in `keys` of the features in order (None: not every feature once, D wide)."""
+        key = tuple(keys)
+        if key not in self._orders:
+            where = {k: i for i, k in enumerate(keys)}
+            ok = (len(keys) == self.F and set(where) == set(self.sparse_feature_names)
+                  and all(w == self.D for w in widths))
+            self._orders[key] = torch.tensor([where[n] for n in self.sparse_feature_names]) if ok else None
+        return self._orders[key]
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         kt = self.embedding_bag_collection(features)
-        if not isinstance(kt, torch.fx.Proxy) and kt.keys() == self.sparse_feature_names:
-            return kt.values().reshape(-1, self.F, self.D)
+        if not isinstance(kt, torch.fx.Proxy):
+            keys = kt.keys()
+            if keys == self.sparse_feature_names and all(w == self.D for w in kt.length_per_key()):
+                return kt.values().reshape(-1, self.F, self.D)
+            order = self._order(keys, kt.length_per_key())
+            if order is not None:
+                values = kt.values()
+                return values.reshape(-1, self.F, self.D).index_select(1, order.to(values.device))
         pieces = kt.to_dict()
         return torch.cat([pieces[name] for name in self.sparse_feature_names], dim=1).reshape(-1, self.F, self.D)
 

@@ -279,8 +279,10 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
             client.epoch = epoch
             source = epoch_source(spec, corun, client, executor, micro, device, ledger)  # by spec.preprocessing
             if depth:  # lease, read, preprocess and the step's counts ahead; done reports off the step's path
+                # the steps prepared ahead are counted in one side all_reduce (they all are on every rank)
                 source = PrefetchBatches(source, accumulation=accumulation, depth=depth, group=side_group,
-                                         world_size=world_size, idle_priority=sched == "idle")
+                                         world_size=world_size, idle_priority=sched == "idle",
+                                         counts_per_reduce=depth)
             current["source"] = source
             resume = start.current if start.current is not None and start.current.epoch == epoch else None
             common: dict[str, Any] = dict(epoch=epoch, world_size=world_size, log_every=spec.train.log_every,

@@ -2,9 +2,10 @@
 
 `PrefetchBatches` wraps a TaskBatches-like source (inline or offline; RAP's co-run source keeps its own read-ahead).
 One thread owns the source: it builds the next `depth` steps (each `accumulation` batches) while the current one
-trains, all-reduces each step's [has_data, real_rows] on a separate gloo group (so the step loop never blocks on
-it; the loss stays exactly normalized) and reports trained tasks done to the master (the trainer's `trained` calls
-are queued to it, in order). `progress()` (the checkpoint's data state) first waits until every queued report was
+trains, all-reduces the steps' [has_data, real_rows] on a separate gloo group, `counts_per_reduce` steps in one
+collective (so the step loop never blocks on it, the loss stays exactly normalized, and the side group's
+collectives, which take CPU beside the lockstep step, are few) and reports trained tasks done to the master (the
+trainer's `trained` calls are queued to it, in order). `progress()` (the checkpoint's data state) first waits until every queued report was
 made, then counts only rows handed to the trainer, as the co-run source does. Design: docs/performance.md#training-
 against-torchrecs-reference-loop.
 """
@@ -62,17 +63,21 @@ class _Failed:
 
 class PrefetchBatches:
     """Steps of `source` built `depth` ahead on a thread (see the module doc). `group`: the process group of the
-    per-step all_reduce (a separate gloo group from the model's; None with world_size 1). Every wait is bounded by
-    `timeout_s`."""
+    steps' count all_reduce (a separate gloo group from the model's; None with world_size 1). `counts_per_reduce`:
+    steps built and counted per all_reduce (every rank must use the same value); the thread starts the next such
+    group of steps while fewer than `depth` wait. Every wait is bounded by `timeout_s`."""
 
     def __init__(self, source: StepSource, *, accumulation: int = 1, depth: int = 2,
                  group: dist.ProcessGroup | None = None, world_size: int = 1,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, idle_priority: bool = False) -> None:
-        if accumulation < 1 or depth < 1:
-            raise ValueError(f"PrefetchBatches: accumulation ({accumulation}) and depth ({depth}) must be >= 1")
+                 timeout_s: float = DEFAULT_TIMEOUT_S, idle_priority: bool = False,
+                 counts_per_reduce: int = 1) -> None:
+        if accumulation < 1 or depth < 1 or counts_per_reduce < 1:
+            raise ValueError(f"PrefetchBatches: accumulation ({accumulation}), depth ({depth}) and counts_per_reduce "
+                             f"({counts_per_reduce}) must be >= 1")
         if world_size > 1 and group is None:
             raise ValueError("PrefetchBatches: world_size > 1 needs the process group of the per-step all_reduce")
         self.source, self.accumulation, self.depth = source, accumulation, depth
+        self.counts_per_reduce = counts_per_reduce
         self.group, self.world_size, self.timeout_s = group, world_size, timeout_s
         self.idle_priority = idle_priority  # the thread under SCHED_IDLE: it runs when its rank's cores would idle
         self._ready: queue.Queue[Step | None | _Failed] = queue.Queue()
@@ -255,12 +260,13 @@ class PrefetchBatches:
                     self._handle(kind, arg)
                     continue
                 t = time.perf_counter()
-                step = self._build()
+                steps = self._build()
                 self.thread_s["build"] += time.perf_counter() - t
-                self._produced += 1
-                if step is None:
-                    self._ended = True
-                self._ready.put(step)
+                for step in steps:
+                    self._produced += 1
+                    if step is None:
+                        self._ended = True
+                    self._ready.put(step)
         except BaseException as e:  # handed to the trainer, which raises it
             self._error = e
             self._ready.put(_Failed(e))
@@ -276,17 +282,27 @@ class PrefetchBatches:
                 elif kind == "stop":
                     return
 
-    def _build(self) -> Step | None:
+    def _read_step(self) -> tuple[list[Batch | None], dict[str, int]]:
         micro: list[Batch | None] = []
         with self._work:
             for _ in range(self.accumulation):  # none asked for after the source ran dry
                 micro.append(self.source.next() if not micro or micro[-1] is not None else None)
             progress = self.source.progress()
-        real = sum(b.real for b in micro if b is not None)
-        counts = torch.tensor([1.0 if micro[0] is not None else 0.0, float(real)], dtype=torch.float64)
+        return micro, progress
+
+    def _build(self) -> list[Step | None]:
+        """The next `counts_per_reduce` steps with their global counts from one all_reduce, up to the epoch's end
+        (None: the first step no rank has data for; the steps after it are dropped, every rank sees the same)."""
+        read = [self._read_step() for _ in range(self.counts_per_reduce)]
+        counts = torch.tensor([[1.0 if micro[0] is not None else 0.0,
+                                float(sum(b.real for b in micro if b is not None))] for micro, _ in read],
+                              dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(counts, group=self.group)
-        g_has, g_real = counts.tolist()
-        if g_has == 0:
-            return None
-        return Step(micro=micro, g_has=g_has, g_real=g_real, progress=progress)
+        steps: list[Step | None] = []
+        for (micro, progress), (g_has, g_real) in zip(read, counts.tolist(), strict=True):
+            if g_has == 0:
+                steps.append(None)
+                break
+            steps.append(Step(micro=micro, g_has=g_has, g_real=g_real, progress=progress))
+        return steps
