@@ -5,9 +5,9 @@ One thread owns the source: it builds the next `depth` steps (each `accumulation
 trains, all-reduces the steps' [has_data, real_rows] on a separate gloo group, `counts_per_reduce` steps in one
 collective (so the step loop never blocks on it, the loss stays exactly normalized, and the side group's
 collectives, which take CPU beside the lockstep step, are few) and reports trained tasks done to the master (the
-trainer's `trained` calls are queued to it, in order). `progress()` (the checkpoint's data state) first waits until every queued report was
-made, then counts only rows handed to the trainer, as the co-run source does. Design: docs/performance.md#training-
-against-torchrecs-reference-loop.
+trainer's `trained` calls are queued to it, in order). `progress()` (the checkpoint's data state) first waits until
+every queued report was made, then counts only rows handed to the trainer, as the co-run source does. Design:
+docs/performance.md#training-against-torchrecs-reference-loop.
 """
 from __future__ import annotations
 
