@@ -32,15 +32,17 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/venv/bin:$PATH \
     RECFORGE_HOME=/var/lib/recforge
 
+# g++ (and the Python headers): recforge_kernels builds its C++ CPU kernels (preprocessing, the DLRM interaction,
+# RECom's embedding layer) on first use, for the node's CPU; without a compiler they fall back to torch ops.
 RUN set -eux; \
     apt-get update; \
     if ! command -v python3.11 >/dev/null; then \
         apt-get install -y --no-install-recommends software-properties-common gpg-agent; \
         add-apt-repository -y ppa:deadsnakes/ppa; \
         apt-get update; \
-        apt-get install -y --no-install-recommends python3.11 python3.11-venv; \
+        apt-get install -y --no-install-recommends python3.11 python3.11-venv python3.11-dev; \
     fi; \
-    apt-get install -y --no-install-recommends tini curl ca-certificates; \
+    apt-get install -y --no-install-recommends tini curl ca-certificates g++; \
     rm -rf /var/lib/apt/lists/*; \
     useradd --uid "${RECFORGE_UID}" --gid 0 --create-home --home-dir /home/recforge --shell /bin/bash recforge; \
     mkdir -p /opt/recforge /opt/airflow "${RECFORGE_HOME}"; \

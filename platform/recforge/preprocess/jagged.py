@@ -98,6 +98,9 @@ class JaggedColumns(Mapping[str, JaggedColumn]):
     def __len__(self) -> int:
         return len(self._cols)
 
+    def __contains__(self, key: object) -> bool:  # Mapping's would go through __getitem__ and a KeyError
+        return key in self._cols
+
     def __repr__(self) -> str:
         return f"JaggedColumns({ {n: c.rows for n, c in self._cols.items()} })"
 

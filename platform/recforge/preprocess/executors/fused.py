@@ -151,7 +151,7 @@ class FusedExecutor:
             return f"off: the batch is on {raw.dense.device.type}, fused_chain runs on CPU"
         if not fused_ops.use_cpp():
             return "off: no C++ kernels"
-        lists = sorted(self._chain.source_names & raw.jagged.keys())
+        lists = sorted(k for k in raw.jagged if k in self._chain.source_names)  # over the batch's few list columns
         return f"off: list columns {lists} in the batch" if lists else None
 
     def group_path(self, device: torch.device) -> tuple[str, bool, str | None]:
