@@ -62,8 +62,10 @@ def extension() -> Any | None:
             build = cache_dir() / build_name()
             build.mkdir(parents=True, exist_ok=True)
             clear_stale_lock(build)
-            _state["module"] = load(name=build.name, sources=[str(SOURCE)], extra_cflags=FLAGS,
-                                    build_directory=str(build), verbose=False)
+            load(name=build.name, sources=[str(SOURCE)], extra_cflags=FLAGS, build_directory=str(build),
+                 is_python_module=False, verbose=False)
+            _state["module"] = torch.ops.recforge_interaction  # raises if the library did not register
+            _state["module"].forward  # noqa: B018
             _state["why"] = f"built in {build}"
         except Exception as e:  # no compiler or headers: the torch path gives the same values
             log.warning("recforge_kernels: the C++ dot interaction could not be built (%s); using the torch path", e)

@@ -5,8 +5,9 @@
 // torchrec's InteractionArch orders them) straight into one [B, D + (F + 1) F / 2] tensor: no [B, F+1, F+1] Gram
 // matrix, no gather of its upper triangle, no concatenation. The backward accumulates
 // grad v[i] += g_ij v[j] and grad v[j] += g_ij v[i] in a per-row buffer that stays in L1.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 #include <cstdint>
 #include <algorithm>
 #include <vector>
@@ -115,7 +116,7 @@ void backward_rows(const T* grad, const T* dense, const T* sparse, T* gdense, T*
   }
 }
 
-void check(const torch::Tensor& dense, const torch::Tensor& sparse) {
+void check(const at::Tensor& dense, const at::Tensor& sparse) {
   TORCH_CHECK(dense.dim() == 2, "dot_interaction: dense must be [B, D], got ", dense.sizes());
   TORCH_CHECK(sparse.dim() == 3, "dot_interaction: sparse must be [B, F, D], got ", sparse.sizes());
   TORCH_CHECK(sparse.size(0) == dense.size(0) && sparse.size(2) == dense.size(1),
@@ -126,12 +127,12 @@ void check(const torch::Tensor& dense, const torch::Tensor& sparse) {
 
 constexpr int64_t GRAIN = 64;  // rows per parallel task
 
-torch::Tensor forward(torch::Tensor dense, torch::Tensor sparse) {
+at::Tensor forward(at::Tensor dense, at::Tensor sparse) {
   check(dense, sparse);
   dense = dense.contiguous();
   sparse = sparse.contiguous();
   const int64_t B = dense.size(0), D = dense.size(1), F = sparse.size(1), n = F + 1;
-  auto out = torch::empty({B, D + n * (n - 1) / 2}, dense.options());
+  auto out = at::empty({B, D + n * (n - 1) / 2}, dense.options());
   AT_DISPATCH_FLOATING_TYPES(dense.scalar_type(), "dot_interaction_forward", [&] {
     const auto* dp = dense.data_ptr<scalar_t>();
     const auto* sp = sparse.data_ptr<scalar_t>();
@@ -144,7 +145,7 @@ torch::Tensor forward(torch::Tensor dense, torch::Tensor sparse) {
   return out;
 }
 
-std::vector<torch::Tensor> backward(torch::Tensor grad, torch::Tensor dense, torch::Tensor sparse) {
+std::vector<at::Tensor> backward(at::Tensor grad, at::Tensor dense, at::Tensor sparse) {
   check(dense, sparse);
   dense = dense.contiguous();
   sparse = sparse.contiguous();
@@ -153,8 +154,8 @@ std::vector<torch::Tensor> backward(torch::Tensor grad, torch::Tensor dense, tor
   TORCH_CHECK(grad.dim() == 2 && grad.size(0) == B && grad.size(1) == D + n * (n - 1) / 2,
               "dot_interaction_backward: grad must be [", B, ", ", D + n * (n - 1) / 2, "], got ", grad.sizes());
   TORCH_CHECK(grad.scalar_type() == dense.scalar_type(), "dot_interaction_backward: grad dtype differs");
-  auto gdense = torch::empty_like(dense);
-  auto gsparse = torch::empty_like(sparse);
+  auto gdense = at::empty_like(dense);
+  auto gsparse = at::empty_like(sparse);
   AT_DISPATCH_FLOATING_TYPES(dense.scalar_type(), "dot_interaction_backward", [&] {
     const auto* gp = grad.data_ptr<scalar_t>();
     const auto* dp = dense.data_ptr<scalar_t>();
@@ -171,7 +172,12 @@ std::vector<torch::Tensor> backward(torch::Tensor grad, torch::Tensor dense, tor
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "DLRM dot interaction: [dense, upper-triangle dots] per row");
-  m.def("backward", &backward, "its gradient with respect to dense and sparse");
+TORCH_LIBRARY(recforge_interaction, m) {
+  m.def("forward(Tensor dense, Tensor sparse) -> Tensor");
+  m.def("backward(Tensor grad, Tensor dense, Tensor sparse) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(recforge_interaction, CPU, m) {
+  m.impl("forward", &forward);
+  m.impl("backward", &backward);
 }
