@@ -24,13 +24,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from recforge_kernels.cpu_ext import MARCH, cache_dir, clear_stale_lock, cpu_signature
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "interaction_cpu.cpp"
-FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp-simd", "-std=c++17"]
+FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-std=c++17"]  # OpenMP: at::parallel_for over torch's threads
 KERNEL_DTYPES = (torch.float32, torch.float64)
 
 _lock = threading.Lock()
@@ -63,11 +64,11 @@ def extension() -> Any | None:
             build = cache_dir() / build_name()
             build.mkdir(parents=True, exist_ok=True)
             clear_stale_lock(build)
-            load(name=build.name, sources=[str(SOURCE)], extra_cflags=FLAGS, build_directory=str(build),
-                 is_python_module=False, verbose=False)
-            _state["module"] = torch.ops.recforge_interaction  # raises if the library did not register
-            _state["module"].forward  # noqa: B018
-            _state["why"] = f"built in {build}"
+            load(name=build.name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                 build_directory=str(build), is_python_module=False, verbose=False)
+            ops = torch.ops.recforge_interaction
+            ops.forward  # noqa: B018 (raises if the library did not register)
+            _state["module"], _state["why"] = ops, f"built in {build}"
         except Exception as e:  # no compiler or headers: the torch path gives the same values
             log.warning("recforge_kernels: the C++ dot interaction could not be built (%s); using the torch path", e)
             _state["module"], _state["why"] = None, repr(e)
@@ -79,8 +80,12 @@ def status() -> str:
     return str(_state.get("why", "not loaded yet"))
 
 
-def pair_index(n: int) -> Tensor:
-    """Flat indices i * n + j of the pairs i < j of n vectors, in torch.triu_indices(n, n, 1) order."""
+def pair_index(n: Any) -> Tensor:
+    """Flat indices i * n + j of the pairs i < j of n vectors, in torch.triu_indices(n, n, 1) order (cached per int
+    n; a symbolic n, while a graph is traced, is not cached)."""
+    if not isinstance(n, int):
+        tri = torch.triu_indices(n, n, offset=1)
+        return tri[0] * n + tri[1]
     idx = _pairs.get(n)
     if idx is None:
         tri = torch.triu_indices(n, n, offset=1)
@@ -103,6 +108,7 @@ class _DotInteraction(torch.autograd.Function):
         return _state["module"].forward(dense, sparse)
 
     @staticmethod
+    @once_differentiable  # the kernel's backward is not itself differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
         dense, sparse = ctx.saved_tensors
         grad_dense, grad_sparse = _state["module"].backward(grad, dense, sparse)
@@ -119,7 +125,8 @@ def uses_kernel(dense: Any, sparse: Any) -> bool:
     """Whether dot_interaction(dense, sparse) runs the C++ kernels (else the torch path)."""
     if _capturing(dense, sparse):
         return False
-    if dense.device.type != "cpu" or sparse.device.type != "cpu" or dense.dtype not in KERNEL_DTYPES:
+    if (dense.device.type != "cpu" or sparse.device.type != "cpu" or dense.dtype not in KERNEL_DTYPES
+            or sparse.dtype != dense.dtype):
         return False
     return extension() is not None
 
@@ -131,8 +138,6 @@ def dot_interaction(dense: Tensor, sparse: Tensor) -> Tensor:
     if dense.dim() != 2 or sparse.dim() != 3 or sparse.shape[0] != dense.shape[0] or sparse.shape[2] != dense.shape[1]:
         raise ValueError(f"dot_interaction: dense must be [B, D] and sparse [B, F, D], got {tuple(dense.shape)} and "
                          f"{tuple(sparse.shape)}")
-    if dense.dtype != sparse.dtype:
-        raise ValueError(f"dot_interaction: dense is {dense.dtype}, sparse {sparse.dtype}")
-    if not uses_kernel(dense, sparse):
+    if dense.dtype != sparse.dtype or not uses_kernel(dense, sparse):  # mixed dtypes: torch.cat promotes them
         return dot_interaction_torch(dense, sparse)
     return _DotInteraction.apply(dense, sparse)

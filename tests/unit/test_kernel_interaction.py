@@ -68,7 +68,6 @@ def test_no_sparse_features_gives_the_dense_vector():
     (torch.randn(4, 8), torch.randn(4, 3, 7), r"\(4, 8\) and \(4, 3, 7\)"),
     (torch.randn(4, 8), torch.randn(5, 3, 8), r"\(4, 8\) and \(5, 3, 8\)"),
     (torch.randn(4, 8, 1), torch.randn(4, 3, 8), r"dense must be \[B, D\]"),
-    (torch.randn(4, 8), torch.randn(4, 3, 8, dtype=torch.float64), "dense is torch.float32, sparse torch.float64"),
 ])
 def test_bad_input_is_refused_naming_it(dense, sparse, match):
     with pytest.raises(ValueError, match=match):
@@ -90,6 +89,23 @@ def test_fallback_without_the_extension_gives_the_same_values(monkeypatch):
     torch.testing.assert_close(slow, fast, rtol=1e-5, atol=1e-5)
     slow.sum().backward()  # the torch path is differentiable too
     assert dense.grad is not None and sparse.grad is not None
+
+
+def test_mixed_dtypes_are_promoted_as_torchrec_does():
+    dense, sparse = (t.detach() for t in _inputs(4, 3, 8))
+    sparse64 = sparse.double()
+    assert not inter.uses_kernel(dense, sparse64)
+    out = inter.dot_interaction(dense, sparse64)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, InteractionArch(3)(dense, sparse64))
+
+
+def test_double_backward_is_refused_not_wrong():
+    dense, sparse = _inputs(4, 3, 8)
+    out = inter.dot_interaction(dense, sparse)
+    (g,) = torch.autograd.grad(out.square().sum(), dense, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiable"):
+        g.sum().backward()
 
 
 def test_low_precision_takes_the_torch_path():

@@ -65,7 +65,8 @@ class PrefetchBatches:
     """Steps of `source` built `depth` ahead on a thread (see the module doc). `group`: the process group of the
     steps' count all_reduce (a separate gloo group from the model's; None with world_size 1). `counts_per_reduce`:
     steps built and counted per all_reduce (every rank must use the same value); the thread starts the next such
-    group of steps while fewer than `depth` wait. Every wait is bounded by `timeout_s`."""
+    group of steps while fewer than `depth` wait, so up to depth + counts_per_reduce - 1 steps are held ahead. Every
+    wait is bounded by `timeout_s`."""
 
     def __init__(self, source: StepSource, *, accumulation: int = 1, depth: int = 2,
                  group: dist.ProcessGroup | None = None, world_size: int = 1,
@@ -193,8 +194,8 @@ class PrefetchBatches:
         return self.source.tasks_done
 
     def close(self) -> None:
-        """Flush, then stop the thread. It first builds up to `depth` steps ahead as every rank's thread does, so
-        the per-step all_reduces stay matched across ranks."""
+        """Flush, then stop the thread. It first builds groups of steps until `depth` wait, as every rank's thread
+        does, so the count all_reduces stay matched across ranks."""
         if self._thread is None:
             return
         try:
@@ -223,6 +224,16 @@ class PrefetchBatches:
             self._stopping = True
         # "taken": only wakes the thread
 
+    def _drain(self) -> None:
+        """Handle everything queued so far, without blocking (done reports and flushes wait no longer than a read)."""
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._taken_seen += kind == "taken"
+            self._handle(kind, arg)
+
     def _full(self) -> bool:
         return self._ended or self._produced - self._taken_seen >= self.depth
 
@@ -242,13 +253,7 @@ class PrefetchBatches:
     def _loop(self) -> None:
         try:
             while True:
-                while True:  # everything queued so far, without blocking
-                    try:
-                        kind, arg = self._inbox.get_nowait()
-                    except queue.Empty:
-                        break
-                    self._taken_seen += kind == "taken"
-                    self._handle(kind, arg)
+                self._drain()
                 if self._full():
                     if self._stopping:
                         return
@@ -293,7 +298,11 @@ class PrefetchBatches:
     def _build(self) -> list[Step | None]:
         """The next `counts_per_reduce` steps with their global counts from one all_reduce, up to the epoch's end
         (None: the first step no rank has data for; the steps after it are dropped, every rank sees the same)."""
-        read = [self._read_step() for _ in range(self.counts_per_reduce)]
+        read = []
+        for i in range(self.counts_per_reduce):
+            if i:
+                self._drain()  # between reads: the trainer's done reports and flushes do not wait for the group
+            read.append(self._read_step())
         counts = torch.tensor([[1.0 if micro[0] is not None else 0.0,
                                 float(sum(b.real for b in micro if b is not None))] for micro, _ in read],
                               dtype=torch.float64)
