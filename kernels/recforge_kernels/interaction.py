@@ -5,8 +5,8 @@ product of every pair i < j of the F + 1 vectors in torch.triu_indices(F + 1, F 
 `InteractionArch` computes it with a batched matmul, an advanced-index gather of the upper triangle and a
 concatenation (and autograd's index_put and two batched matmuls backward). The kernel computes only the pairs, with
 one row per SIMD lane, and writes the concatenated output directly; on the 2-core benchmark machine that is
-0.75 ms forward + backward at B = 512, F = 26, D = 16 against torchrec's 2.70 ms eager and 1.83 ms under
-torch.compile (bench/bench_interaction.py).
+0.80 ms forward + backward at B = 512, F = 26, D = 16 against torchrec's 3.24 ms eager and 2.18 ms under
+torch.compile, one thread (bench/bench_interaction.py).
 
 The extension is built on first use into the kernels' cache (cpu_ext.cache_dir), keyed by the source, the flags, the
 torch build and the CPU. Without it (RECFORGE_NO_CPP=1, no compiler: logged once), and wherever a graph is being

@@ -59,7 +59,7 @@ class TrainConfig(StrictModel):
     fused_interaction: bool = Field(
         True, description="train DLRM's dot interaction with recforge's C++ kernel (forward and backward) and the "
         "pooled embeddings as a view where their key order allows, in place of torchrec's batched matmul + gather + "
-        "concatenation: the same values, 3.6x faster forward + backward at 512 rows on the 2-core "
+        "concatenation: the same values, ~4x faster forward + backward at 512 rows on the 2-core "
         "benchmark (docs/performance.md); off: torchrec's DLRM modules as they ship")
     log_every: int = Field(20, ge=1)
     sharding: Literal["auto", "table_wise", "column_wise", "data_parallel"] = "auto"
