@@ -83,13 +83,12 @@ def status() -> str:
 def pair_index(n: Any) -> Tensor:
     """Flat indices i * n + j of the pairs i < j of n vectors, in torch.triu_indices(n, n, 1) order (cached per int
     n; a symbolic n, while a graph is traced, is not cached)."""
-    if not isinstance(n, int):
-        tri = torch.triu_indices(n, n, offset=1)
-        return tri[0] * n + tri[1]
-    idx = _pairs.get(n)
+    idx = _pairs.get(n) if isinstance(n, int) else None
     if idx is None:
         tri = torch.triu_indices(n, n, offset=1)
-        idx = _pairs.setdefault(n, (tri[0] * n + tri[1]).contiguous())
+        idx = (tri[0] * n + tri[1]).contiguous()
+        if isinstance(n, int):
+            idx = _pairs.setdefault(n, idx)
     return idx
 
 
@@ -138,6 +137,6 @@ def dot_interaction(dense: Tensor, sparse: Tensor) -> Tensor:
     if dense.dim() != 2 or sparse.dim() != 3 or sparse.shape[0] != dense.shape[0] or sparse.shape[2] != dense.shape[1]:
         raise ValueError(f"dot_interaction: dense must be [B, D] and sparse [B, F, D], got {tuple(dense.shape)} and "
                          f"{tuple(sparse.shape)}")
-    if dense.dtype != sparse.dtype or not uses_kernel(dense, sparse):  # mixed dtypes: torch.cat promotes them
+    if not uses_kernel(dense, sparse):  # mixed dtypes among the reasons: the torch path promotes them as torch.cat
         return dot_interaction_torch(dense, sparse)
     return _DotInteraction.apply(dense, sparse)

@@ -17,7 +17,7 @@ from torchrec.models.dlrm import DLRM, DLRM_DCN, InteractionArch, SparseArch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recforge.config import ModelConfig
-from recforge_kernels.interaction import dot_interaction
+from recforge_kernels.interaction import dot_interaction, extension
 
 EBC_PATH = "sparse_arch.embedding_bag_collection"  # module path of the EBC inside DLRM
 
@@ -59,28 +59,28 @@ class KeyOrderSparseArch(SparseArch):
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection) -> None:
         super().__init__(embedding_bag_collection)
-        self._orders: dict[tuple[str, ...], torch.Tensor | None] = {}
+        self._orders: dict[tuple[str, ...], torch.Tensor | str | None] = {}
 
-    def _order(self, keys: list[str], widths: list[int]) -> torch.Tensor | None:
-        """Positions in `keys` of the features in order (None: not every feature once, D wide)."""
+    def _order(self, keys: list[str], widths: list[int]) -> torch.Tensor | str | None:
+        """Positions in `keys` of the features in order; "view" when that is every position in turn; None when the
+        keys are not every feature once, D wide. Cached per key order."""
         key = tuple(keys)
         if key not in self._orders:
             where = {k: i for i, k in enumerate(keys)}
             ok = (len(keys) == self.F and set(where) == set(self.sparse_feature_names)
                   and all(w == self.D for w in widths))
-            self._orders[key] = torch.tensor([where[n] for n in self.sparse_feature_names]) if ok else None
+            order = [where[n] for n in self.sparse_feature_names] if ok else None
+            self._orders[key] = (None if order is None else "view" if order == list(range(self.F))
+                                 else torch.tensor(order))
         return self._orders[key]
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         kt = self.embedding_bag_collection(features)
         if not isinstance(kt, torch.fx.Proxy):
-            keys = kt.keys()
-            if keys == self.sparse_feature_names and all(w == self.D for w in kt.length_per_key()):
-                return kt.values().reshape(-1, self.F, self.D)
-            order = self._order(keys, kt.length_per_key())
+            order = self._order(kt.keys(), kt.length_per_key())
             if order is not None:
-                values = kt.values()
-                return values.reshape(-1, self.F, self.D).index_select(1, order.to(values.device))
+                values = kt.values().reshape(-1, self.F, self.D)
+                return values if isinstance(order, str) else values.index_select(1, order.to(values.device))
         pieces = kt.to_dict()
         return torch.cat([pieces[name] for name in self.sparse_feature_names], dim=1).reshape(-1, self.F, self.D)
 
@@ -90,8 +90,6 @@ def interaction_kind(model: torch.nn.Module, device: torch.device | str = "cpu")
     fallback: the kernel is unavailable, or not a CPU device) or "torchrec" (torchrec's own module)."""
     if not isinstance(getattr(model, "inter_arch", None), FusedInteractionArch):
         return "torchrec"
-    from recforge_kernels.interaction import extension  # lazy: builds the kernel on first call
-
     return "cpp" if torch.device(device).type == "cpu" and extension() is not None else "torch"
 
 
