@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,3 +29,19 @@ def cpu_model() -> str:
     except OSError:
         pass
     return "unknown"
+
+
+def time_forward_backward(calls: Iterable[Any], forward: Callable[[Any], Any],
+                          backward: Callable[[Any, Any], None]) -> dict[str, float]:
+    """Median seconds of forward(call) and backward(call, output) over `calls`, and of their sum per call."""
+    fwd, bwd = [], []
+    for call in calls:
+        t0 = time.perf_counter()
+        out = forward(call)
+        t1 = time.perf_counter()
+        backward(call, out)
+        t2 = time.perf_counter()
+        fwd.append(t1 - t0)
+        bwd.append(t2 - t1)
+    return {"forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
+            "total_s": statistics.median(a + b for a, b in zip(fwd, bwd, strict=True))}

@@ -15,14 +15,13 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.progress import Progress
 
-from _results import cpu_model, write_report  # bench/_results.py (bench/ is the script's directory)
+from _results import cpu_model, time_forward_backward, write_report  # bench/_results.py
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIDES = ("torchrec", "torchrec_compiled", "recforge_torch", "recforge_cpp")
@@ -49,18 +48,10 @@ def make_side(name: str, features: int):
 
 
 def time_side(fn, dense: torch.Tensor, sparse: torch.Tensor, grad: torch.Tensor, calls: int) -> dict[str, float]:
-    """Median seconds of forward and backward over `calls` calls."""
-    fwd, bwd = [], []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        out = fn(dense, sparse)
-        t1 = time.perf_counter()
-        torch.autograd.grad(out, (dense, sparse), grad)  # not .backward: no .grad accumulation timed
-        t2 = time.perf_counter()
-        fwd.append(t1 - t0)
-        bwd.append(t2 - t1)
-    return {"forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
-            "total_s": statistics.median(a + b for a, b in zip(fwd, bwd, strict=True))}
+    """Median seconds of forward and backward over `calls` calls (torch.autograd.grad, not .backward: no .grad
+    accumulation timed)."""
+    return time_forward_backward(range(calls), lambda _: fn(dense, sparse),
+                                 lambda _, out: torch.autograd.grad(out, (dense, sparse), grad))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -288,7 +288,7 @@ def drive(rows: int, home: Path, events: Path, workers: int, epochs: int) -> Non
     for name in RUN_STAGES:
         _reset_hwm()
         t0 = time.time()
-        emit({"event": "start", "stage": name, "start": t0})
+        emit({"event": "start", "stage": name, "start": t0, "rss_kb": _status_kb(os.getpid()).get("VmRSS", 0)})
         out = STAGE_FUNCTIONS[name](ctx)
         emit({"event": "stage", "stage": name, "start": t0, "end": time.time(), "hwm_kb": _hwm_kb(),
               "outputs": _summary(name, out)})
@@ -323,6 +323,7 @@ def stage_table(events: list[dict[str, Any]], procs: list[ProcSeen], rows: int) 
     """Per stage: seconds (ingest without its statistics pass), s per million rows, main's peak RSS and the peak of
     each child role first seen during the stage (MB)."""
     done = {e["stage"]: e for e in events if e.get("event") == "stage"}
+    started = {e["stage"]: e for e in events if e.get("event") == "start"}
     ingest_hwm = max((e["hwm_kb"] for e in events if e.get("event") == "hwm"), default=0)
     table: dict[str, dict[str, Any]] = {}
     for name in STAGES:
@@ -338,7 +339,10 @@ def stage_table(events: list[dict[str, Any]], procs: list[ProcSeen], rows: int) 
         for p in procs:
             if p.role != "main" and e["start"] <= p.first_t <= e["end"]:
                 roles[p.role] = max(roles.get(p.role, 0.0), max(p.peak_rss_kb, p.hwm_kb) / 1024)
+        carried_kb = started.get(name, {}).get("rss_kb")
         table[name] = {"seconds": seconds, "s_per_mrow": seconds / (rows / 1e6), "peak_rss_mb": roles,
+                       "main_start_rss_mb": None if carried_kb is None else carried_kb / 1024,
+                       "main_growth_mb": None if carried_kb is None else (main_kb - carried_kb) / 1024,
                        "outputs": e.get("outputs", {})}
     return table
 
@@ -395,7 +399,8 @@ def run_size(rows: int, work: Path, *, workers: int, epochs: int, interval_s: fl
 
 # ---- the report ---------------------------------------------------------------------------------------------------
 def fits(sizes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per stage: the time fit (s per million rows) and the peak RSS fit (MB per million rows) of each role."""
+    """Per stage: the time fit (s per million rows), the peak RSS fit (MB per million rows) of each role, and the fit
+    of main's growth within the stage (its peak less the RSS it carried in from the stages before)."""
     out: dict[str, dict[str, Any]] = {}
     rows = [s["rows_per_day"] for s in sizes]
     for name in STAGES:
@@ -408,6 +413,10 @@ def fits(sizes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                      "peak_rss_mb": {r: linear_fit([s["rows_per_day"] for s in have if r in s["stages"][name][
                          "peak_rss_mb"]], [s["stages"][name]["peak_rss_mb"][r] for s in have
                                            if r in s["stages"][name]["peak_rss_mb"]]) for r in roles}}
+        grown = [s for s in have if s["stages"][name].get("main_growth_mb") is not None]
+        if grown:  # main's peak less the RSS it carried into the stage: what the stage itself held
+            out[name]["main_growth_mb"] = linear_fit([s["rows_per_day"] for s in grown],
+                                                     [s["stages"][name]["main_growth_mb"] for s in grown])
     out["total"] = {"time": linear_fit(rows, [s["wall_s"] for s in sizes]),
                     "peak_tree_rss_mb": linear_fit(rows, [s["peak_tree_rss_mb"] for s in sizes])}
     return out
@@ -562,6 +571,7 @@ def _print_table(report: dict[str, Any]) -> None:
         table.add_column(f"{s['rows_per_day']:,}", justify="right")
     table.add_column("slope s/Mrow", justify="right")
     table.add_column("RSS slope MB/Mrow", justify="right")
+    table.add_column("main's growth in stage MB", justify="right")
     for name in STAGES:
         if not any(name in s["stages"] for s in sizes):
             continue
@@ -573,8 +583,10 @@ def _print_table(report: dict[str, Any]) -> None:
         f = report["fits"][name]
         slope = f["time"]["slope_per_mrow"]
         rss = [v["slope_per_mrow"] for v in f["peak_rss_mb"].values() if v["slope_per_mrow"] is not None]
+        growth = [s["stages"][name].get("main_growth_mb") for s in sizes if name in s["stages"]]
         table.add_row(name, *cells, "-" if slope is None else f"{slope:.1f}",
-                      "-" if not rss else f"{max(rss, key=abs):.1f}")
+                      "-" if not rss else f"{max(rss, key=abs):.1f}",
+                      " / ".join("-" if g is None else f"{g:.0f}" for g in growth))
     Console().print(table)
 
 

@@ -15,10 +15,6 @@ captured (torch.fx symbolic tracing, torch.compile / torch.export: RECom's compi
 """
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,58 +22,24 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from recforge_kernels.cpu_ext import MARCH, cache_dir, clear_stale_lock, cpu_signature
-
-log = logging.getLogger(__name__)
+from recforge_kernels.op_library import OpLibrary
 
 SOURCE = Path(__file__).parent / "csrc" / "interaction_cpu.cpp"
-FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-std=c++17"]  # OpenMP: at::parallel_for over torch's threads
 KERNEL_DTYPES = (torch.float32, torch.float64)
 
-_lock = threading.Lock()
-_state: dict[str, Any] = {}
+LIBRARY = OpLibrary("recforge_interaction", SOURCE, probe="forward")
 _pairs: dict[int, Tensor] = {}
-
-
-def build_name() -> str:
-    h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), cpu_signature().encode(),
-                 f"{torch.__version__} {os.path.dirname(torch.__file__)}".encode()):
-        h.update(part)
-    return f"recforge_interaction_{h.hexdigest()[:16]}"
 
 
 def extension() -> Any | None:
     """The compiled kernels (built on the first call; later processes load them from the cache), or None when they
     cannot be built or RECFORGE_NO_CPP=1 (`status()` says why)."""
-    if "module" in _state:
-        return _state["module"]
-    with _lock:
-        if "module" in _state:
-            return _state["module"]
-        if os.environ.get("RECFORGE_NO_CPP") == "1":
-            _state["module"], _state["why"] = None, "RECFORGE_NO_CPP=1"
-            return None
-        try:
-            from torch.utils.cpp_extension import load  # lazy: the C++ toolchain glue, only on a build
-
-            build = cache_dir() / build_name()
-            build.mkdir(parents=True, exist_ok=True)
-            clear_stale_lock(build)
-            load(name=build.name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                 build_directory=str(build), is_python_module=False, verbose=False)
-            ops = torch.ops.recforge_interaction
-            ops.forward  # noqa: B018 (raises if the library did not register)
-            _state["module"], _state["why"] = ops, f"built in {build}"
-        except Exception as e:  # no compiler or headers: the torch path gives the same values
-            log.warning("recforge_kernels: the C++ dot interaction could not be built (%s); using the torch path", e)
-            _state["module"], _state["why"] = None, repr(e)
-        return _state["module"]
+    return LIBRARY.ops()
 
 
 def status() -> str:
     """Why the C++ kernels are (not) in use, for logs and reports."""
-    return str(_state.get("why", "not loaded yet"))
+    return LIBRARY.status()
 
 
 def pair_index(n: Any) -> Tensor:
@@ -104,13 +66,13 @@ class _DotInteraction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, dense: Tensor, sparse: Tensor) -> Tensor:
         ctx.save_for_backward(dense, sparse)
-        return _state["module"].forward(dense, sparse)
+        return LIBRARY.loaded().forward(dense, sparse)
 
     @staticmethod
     @once_differentiable  # the kernel's backward is not itself differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
         dense, sparse = ctx.saved_tensors
-        grad_dense, grad_sparse = _state["module"].backward(grad, dense, sparse)
+        grad_dense, grad_sparse = LIBRARY.loaded().backward(grad, dense, sparse)
         return grad_dense, grad_sparse
 
 

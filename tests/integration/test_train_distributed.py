@@ -25,7 +25,9 @@ pytestmark = pytest.mark.slow
 # ---------------------------------------------------------------------------------------------
 TABLES = [("C1", 60), ("C2", 400), ("C3", 9), ("C4", 1000)]
 NUM_DENSE = 3
-CASES = [("table_wise", True), ("column_wise", True), ("data_parallel", False), ("data_parallel", True), ("auto", True)]
+# (sharding, fused_embeddings, rowwise_adagrad_kernel): the last case keeps FBGEMM's backward for the fused tables
+CASES = [("table_wise", True, True), ("column_wise", True, True), ("data_parallel", False, True),
+         ("data_parallel", True, True), ("auto", True, True), ("table_wise", True, False)]
 STEPS = [  # real rows of rank 0 and rank 1 per step (batch size 8; rank 1 has no data in step 2)
     ((0, 8), (8, 11)),
     ((11, 17), (17, 17)),
@@ -78,10 +80,11 @@ def _step_worker(rank, world, port, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         probe_dense, probe_ids, _ = _data()
-        for sharding, fused in CASES:
+        for sharding, fused, kernel in CASES:
             torch.manual_seed(0)
             model = build_dlrm(_model_cfg(), TABLES, NUM_DENSE, fused=True)  # the trainer's modules
-            train = TrainConfig(sharding=sharding, fused_embeddings=fused, embedding_lr=0.2, dense_lr=0.1)
+            train = TrainConfig(sharding=sharding, fused_embeddings=fused, embedding_lr=0.2, dense_lr=0.1,
+                                rowwise_adagrad_kernel=kernel)
             sm = shard_model(model, train, world_size=world, device=torch.device("cpu"), dense_optimizer="sgd")
             for ranges in STEPS:
                 a, b = ranges[rank]
@@ -94,7 +97,8 @@ def _step_worker(rank, world, port, out_dir):
             with torch.no_grad():
                 pred = sm.model(probe_dense[:16], _kjt(probe_ids[:16]))
             if rank == 0:
-                torch.save({"pred": pred, "plan": sm.plan_summary()}, Path(out_dir) / f"{sharding}-{int(fused)}.pt")
+                torch.save({"pred": pred, "plan": sm.plan_summary(), "update": sm.embedding_update},
+                           Path(out_dir) / f"{sharding}-{int(fused)}-{int(kernel)}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -135,14 +139,18 @@ def test_distributed_steps_equal_single_process_steps(tmp_path):
         dense, ids, _ = _data()
         init = build_dlrm(_model_cfg(), TABLES, NUM_DENSE)(dense[:16], _kjt(ids[:16]))
     assert (ref - init).abs().max() > 1e-2  # the two steps moved the predictions
-    for sharding, fused in CASES:
-        got = torch.load(tmp_path / f"{sharding}-{int(fused)}.pt")
+    for sharding, fused, kernel in CASES:
+        got = torch.load(tmp_path / f"{sharding}-{int(fused)}-{int(kernel)}.pt")
         kinds = {(v["sharding_type"], v["compute_kernel"]) for v in got["plan"].values()}
         if sharding != "auto":
             assert {k[0] for k in kinds} == {sharding}
         if not fused:
             assert {k[1] for k in kinds} == {"dense"}
-        torch.testing.assert_close(got["pred"], ref, rtol=1e-4, atol=1e-5, msg=f"{sharding} fused={fused}")
+        # recforge's row-wise Adagrad kernel updates every fused table when on, FBGEMM's when off
+        has_fused = any(k[1] == "fused" for k in kinds)
+        assert got["update"] == ("none" if not has_fused else "cpp" if kernel else "fbgemm"), (sharding, fused, kernel)
+        torch.testing.assert_close(got["pred"], ref, rtol=1e-4, atol=1e-5,
+                                   msg=f"{sharding} fused={fused} kernel={kernel}")
 
 
 # ---------------------------------------------------------------------------------------------

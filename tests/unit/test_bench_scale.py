@@ -72,6 +72,7 @@ def test_stage_table_splits_stats_out_of_ingest_and_attributes_children(bench):
         {"event": "hwm", "stage": "ingest", "hwm_kb": 500 * 1024},
         {"event": "stage", "stage": "stats", "start": 12.0, "end": 15.0, "hwm_kb": 350 * 1024},
         {"event": "stage", "stage": "ingest", "start": 10.0, "end": 15.5, "hwm_kb": 360 * 1024},
+        {"event": "start", "stage": "train", "start": 20.0, "rss_kb": 640 * 1024},
         {"event": "stage", "stage": "train", "start": 20.0, "end": 40.0, "hwm_kb": 700 * 1024},
     ]
     procs = [bench.ProcSeen(1, "main", 0.0, 40.0, 900 * 1024),
@@ -85,6 +86,10 @@ def test_stage_table_splits_stats_out_of_ingest_and_attributes_children(bench):
     assert t["generate"]["s_per_mrow"] == pytest.approx(20.0)
     assert t["train"]["peak_rss_mb"] == {"main": 700, "train_rank": 1000, "torchrun": 100}
     assert set(t["generate"]["peak_rss_mb"]) == {"main"}
+    # main's RSS carried into train (640 MB) and what train itself added to it (700 - 640)
+    assert t["train"]["main_start_rss_mb"] == pytest.approx(640)
+    assert t["train"]["main_growth_mb"] == pytest.approx(60)
+    assert t["generate"]["main_growth_mb"] is None  # no start event recorded: not made up
 
 
 def test_sizes_beyond_disk_or_memory_are_refused_naming_the_limit(bench, tmp_path):

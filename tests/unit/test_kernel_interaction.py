@@ -83,7 +83,7 @@ def test_kernel_refuses_a_wrong_gradient_shape():
 def test_fallback_without_the_extension_gives_the_same_values(monkeypatch):
     dense, sparse = _inputs(20, 6, 8)
     fast = inter.dot_interaction(dense, sparse)
-    monkeypatch.setitem(inter._state, "module", None)
+    monkeypatch.setitem(inter.LIBRARY._state, "ops", None)
     assert not inter.uses_kernel(dense, sparse)
     slow = inter.dot_interaction(dense, sparse)
     torch.testing.assert_close(slow, fast, rtol=1e-5, atol=1e-5)

@@ -61,6 +61,12 @@ class TrainConfig(StrictModel):
         "pooled embeddings as a view where their key order allows, in place of torchrec's batched matmul + gather + "
         "concatenation: the same values, ~4x faster forward + backward at 512 rows on the 2-core "
         "benchmark (docs/performance.md); off: torchrec's DLRM modules as they ship")
+    rowwise_adagrad_kernel: bool = Field(
+        True, description="apply row-wise Adagrad to the fused embedding tables in backward with recforge's C++ "
+        "kernel (each table's distinct rows by hashing, the update in place on FBGEMM's own weights and momentum) "
+        "in place of FBGEMM's CPU backward: the same update to float rounding, ~3x faster at 13 tables x 1,024 "
+        "lookups on the 2-core benchmark (docs/performance.md); CPU tables with embedding_optimizer rowwise_adagrad "
+        "only, others keep FBGEMM's. Off: FBGEMM's backward everywhere")
     log_every: int = Field(20, ge=1)
     sharding: Literal["auto", "table_wise", "column_wise", "data_parallel"] = "auto"
     fused_embeddings: bool = Field(True, description="FBGEMM TBE with the optimizer applied in backward")

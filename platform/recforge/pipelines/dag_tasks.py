@@ -57,6 +57,7 @@ PARAM_FIELDS: dict[str, tuple[str, ...]] = {
     "sparse_dist_pipeline": ("train", "sparse_dist_pipeline"),
     "prefetch_sched": ("train", "prefetch_sched"),
     "fused_interaction": ("train", "fused_interaction"),
+    "rowwise_adagrad_kernel": ("train", "rowwise_adagrad_kernel"),
     "workers": ("resources", "workers"),
     "threads_per_worker": ("resources", "threads_per_worker"),
     "worker_allocator": ("resources", "allocator"),

@@ -109,6 +109,10 @@ class WorkerResult(_Record):
         None, description="how the model's dot interaction ran: cpp (recforge's C++ kernel, train.fused_interaction), "
         "torch (its torch fallback: the kernel could not be built) or torchrec (torchrec's module: "
         "train.fused_interaction off, or DLRM-DCN's cross net); None: not recorded")
+    embedding_update: Literal["cpp", "fbgemm", "mixed", "none"] | None = Field(
+        None, description="which kernel applied the embedding optimizer to the fused tables in backward: cpp "
+        "(recforge's row-wise Adagrad kernel, train.rowwise_adagrad_kernel), fbgemm (FBGEMM's: the option off, "
+        "another embedding optimizer, or no kernel), mixed, none (no fused tables); None: not recorded")
 
     def save(self, output_dir: str | Path) -> Path:
         """Write `output_dir`/result.json atomically (temp file + rename)."""

@@ -34,6 +34,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from recforge.config import TrainConfig
+from recforge.train.embedding_update import EmbeddingUpdate, embedding_update_kind, use_rowwise_adagrad_kernel
 from recforge.train.model import EBC_PATH
 from recforge.train.placement import Placement
 
@@ -63,6 +64,7 @@ class ShardedModel:
     model: DistributedModelParallel
     optimizer: KeyedOptimizer
     plan: ShardingPlan
+    embedding_update: EmbeddingUpdate = "fbgemm"  # which kernel updates the fused tables (train.rowwise_adagrad_kernel)
 
     def plan_summary(self) -> dict[str, dict[str, Any]]:
         """{table: {sharding_type, compute_kernel, ranks}} as the planner decided."""
@@ -162,8 +164,9 @@ def shard_model(
     if dense:
         d_cls = DENSE_OPTIMIZERS[dense_optimizer]
         optimizers.append(KeyedOptimizerWrapper(dense, lambda ps: d_cls(ps, lr=train.dense_lr)))
-    sharded = ShardedModel(model=dmp, optimizer=CombinedOptimizer(optimizers), plan=plan)
-    log.info("sharding plan: %s", sharded.plan_summary())
+    update = use_rowwise_adagrad_kernel(dmp) if train.rowwise_adagrad_kernel else embedding_update_kind(dmp)
+    sharded = ShardedModel(model=dmp, optimizer=CombinedOptimizer(optimizers), plan=plan, embedding_update=update)
+    log.info("sharding plan: %s; fused tables updated by %s", sharded.plan_summary(), update)
     return sharded
 
 

@@ -370,6 +370,7 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
         sparse_dist_pipeline=ran_pipelined,
         allocator=allocator_ran(),
         interaction=interaction,
+        embedding_update=sharded.embedding_update,
     )
     out = Path(spec.output_dir)
     out.mkdir(parents=True, exist_ok=True)

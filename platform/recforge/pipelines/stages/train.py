@@ -204,7 +204,7 @@ def log_prefetch(store, run_id: str, worker: WorkerResult) -> None:
     logged; the param `train.prefetch_steps` stays what was configured. Likewise tag `sparse_dist_pipeline`: whether
     the step loop ran TorchRec's TrainPipelineSparseDist, tag `prefetch_sched`: the prefetch thread's scheduling, and
     tag `allocator`: the ranks' allocator mode, tag `interaction`: how the dot interaction ran (cpp / torch /
-    torchrec)."""
+    torchrec), tag `embedding_update`: which kernel updated the fused tables (cpp / fbgemm / mixed / none)."""
     if worker.prefetch_steps is not None:
         store.set_tags(run_id, {"prefetch_steps": worker.prefetch_steps})
     if worker.sparse_dist_pipeline is not None:
@@ -215,6 +215,8 @@ def log_prefetch(store, run_id: str, worker: WorkerResult) -> None:
         store.set_tags(run_id, {"allocator": worker.allocator})
     if worker.interaction is not None:
         store.set_tags(run_id, {"interaction": worker.interaction})
+    if worker.embedding_update is not None:
+        store.set_tags(run_id, {"embedding_update": worker.embedding_update})
 
 
 def load_trained(ctx: RunContext):
