@@ -48,7 +48,8 @@ from _results import cpu_model, write_report  # bench/_results.py (bench/ is the
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS_PER_SHARD = 50_000
 SIDES = ("recforge", "reference", "recforge_sync", "recforge_pipelined", "recforge_normal", "recforge_system_alloc",
-         "reference_kept_alloc", "recforge_torchrec_model", "recforge_fbgemm_update")
+         "reference_kept_alloc", "recforge_torchrec_model", "recforge_fbgemm_update",
+         "recforge_allreduce")
 # env of recforge's sides (JOB_ENV's variables are cleared first): recforge_pipelined turns on TorchRec's input-dist
 # pipeline in the step loop (recforge.train.loop.pipelined; off by default); recforge_normal runs the prefetch thread
 # at normal priority (the default is SCHED_IDLE: it takes a core only when nothing else of the rank's wants it);
@@ -57,13 +58,15 @@ SIDES = ("recforge", "reference", "recforge_sync", "recforge_pipelined", "recfor
 SIDE_ENV = {"recforge_pipelined": {"RECFORGE_TRAIN_PIPELINE": "1"},
             "recforge_normal": {"RECFORGE_PREFETCH_SCHED": "normal"},
             "recforge_system_alloc": {"RECFORGE_ALLOCATOR": "system"}}
-# TrainConfig fields of recforge's sides: recforge_torchrec_model trains torchrec's DLRM modules and FBGEMM's embedding
-# backward as they ship (the reference's model and kernels) in place of recforge's fused interaction
-# (train.fused_interaction) and row-wise Adagrad kernel (train.rowwise_adagrad_kernel); recforge_fbgemm_update keeps
-# the fused interaction and turns off only the row-wise Adagrad kernel
+# TrainConfig fields of recforge's sides: recforge_torchrec_model trains torchrec's DLRM modules, FBGEMM's embedding
+# backward and DDP's allreduce as they ship (the reference's model, kernels and collectives) in place of recforge's
+# fused interaction (train.fused_interaction), row-wise Adagrad kernel (train.rowwise_adagrad_kernel) and dense
+# gradient exchange (train.dense_grad_exchange); recforge_fbgemm_update and recforge_allreduce turn off one each
 SIDE_TRAIN: dict[str, dict[str, Any]] = {
-    "recforge_torchrec_model": {"fused_interaction": False, "rowwise_adagrad_kernel": False},
-    "recforge_fbgemm_update": {"rowwise_adagrad_kernel": False}}
+    "recforge_torchrec_model": {"fused_interaction": False, "rowwise_adagrad_kernel": False,
+                                "dense_grad_exchange": False},
+    "recforge_fbgemm_update": {"rowwise_adagrad_kernel": False},
+    "recforge_allreduce": {"dense_grad_exchange": False}}
 JOB_ENV = ("RECFORGE_STEP_PHASES", "RECFORGE_TRAIN_PREFETCH", "RECFORGE_TRAIN_PIPELINE", "RECFORGE_PREFETCH_SCHED",
            "RECFORGE_ALLOCATOR")
 # samples/s ratios reported where both sides ran: (key, numerator side, denominator side)
@@ -73,7 +76,8 @@ RATIOS = (("ratio_prefetch_vs_sync", "recforge", "recforge_sync"),
           ("ratio_kept_vs_system_alloc", "recforge", "recforge_system_alloc"),
           ("ratio_vs_reference_kept_alloc", "recforge", "reference_kept_alloc"),
           ("ratio_fused_vs_torchrec_model", "recforge", "recforge_torchrec_model"),
-          ("ratio_kernel_vs_fbgemm_update", "recforge", "recforge_fbgemm_update"))
+          ("ratio_kernel_vs_fbgemm_update", "recforge", "recforge_fbgemm_update"),
+          ("ratio_exchange_vs_allreduce", "recforge", "recforge_allreduce"))
 REFERENCE_BYTES_PER_ROW = 1200  # measured order: raw + preprocessed + batched copies, per process holding the rows
 
 
@@ -277,10 +281,10 @@ def main(argv: list[str] | None = None) -> int:
                          "normal priority instead of SCHED_IDLE: RECFORGE_PREFETCH_SCHED=normal), "
                          "recforge_system_alloc (its ranks with every allocator as it is: RECFORGE_ALLOCATOR=system), "
                          "reference_kept_alloc (the reference's ranks with recforge's allocator settings), "
-                         "recforge_torchrec_model (recforge training torchrec's DLRM modules and FBGEMM's embedding "
-                         "backward as they ship, the reference's model: train.fused_interaction=false, "
-                         "train.rowwise_adagrad_kernel=false), recforge_fbgemm_update (recforge with FBGEMM's "
-                         "embedding backward: train.rowwise_adagrad_kernel=false)")
+                         "recforge_torchrec_model (recforge training torchrec's DLRM modules, FBGEMM's embedding "
+                         "backward and DDP's allreduce as they ship: train.fused_interaction, "
+                         "train.rowwise_adagrad_kernel and train.dense_grad_exchange false), recforge_fbgemm_update "
+                         "(train.rowwise_adagrad_kernel=false), recforge_allreduce (train.dense_grad_exchange=false)")
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_train_peer.json")
     args = ap.parse_args(argv)
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]

@@ -99,11 +99,13 @@ def test_the_torchrec_model_side_is_recforge_without_its_fused_interaction(bench
 
     rounds = [{"recforge": side(s), "recforge_torchrec_model": side(t)} for s, t in [(115.0, 100.0), (120.0, 100.0)]]
     assert bench.summarize(rounds)["ratio_fused_vs_torchrec_model"] == pytest.approx(117.5 / 100.0)
-    assert bench.SIDE_TRAIN["recforge_torchrec_model"] == {"fused_interaction": False, "rowwise_adagrad_kernel": False}
     stock = TrainConfig(**bench.SIDE_TRAIN["recforge_torchrec_model"])
-    assert stock.fused_interaction is False and stock.rowwise_adagrad_kernel is False
-    assert TrainConfig().fused_interaction is True and TrainConfig().rowwise_adagrad_kernel is True  # recforge's side
+    assert not (stock.fused_interaction or stock.rowwise_adagrad_kernel or stock.dense_grad_exchange)
+    default = TrainConfig()  # recforge's side
+    assert default.fused_interaction and default.rowwise_adagrad_kernel and default.dense_grad_exchange
     assert TrainConfig(**bench.SIDE_TRAIN["recforge_fbgemm_update"]).rowwise_adagrad_kernel is False
+    assert TrainConfig(**bench.SIDE_TRAIN["recforge_allreduce"]).dense_grad_exchange is False
     assert ("ratio_kernel_vs_fbgemm_update", "recforge", "recforge_fbgemm_update") in bench.RATIOS
+    assert ("ratio_exchange_vs_allreduce", "recforge", "recforge_allreduce") in bench.RATIOS
     model = torchrec_dlrm(ModelConfig(), [("C1", 10), ("C2", 5)], 3)
     assert type(model.inter_arch) is InteractionArch and type(model.sparse_arch) is SparseArch

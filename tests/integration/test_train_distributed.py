@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 # ---------------------------------------------------------------------------------------------
 TABLES = [("C1", 60), ("C2", 400), ("C3", 9), ("C4", 1000)]
 NUM_DENSE = 3
-# (sharding, fused_embeddings, rowwise_adagrad_kernel): the last case keeps FBGEMM's backward for the fused tables
+# (sharding, fused_embeddings, recforge's kernels): the last case keeps FBGEMM's backward for the fused tables and
+# DDP's allreduce (train.rowwise_adagrad_kernel and train.dense_grad_exchange off)
 CASES = [("table_wise", True, True), ("column_wise", True, True), ("data_parallel", False, True),
          ("data_parallel", True, True), ("auto", True, True), ("table_wise", True, False)]
 STEPS = [  # real rows of rank 0 and rank 1 per step (batch size 8; rank 1 has no data in step 2)
@@ -84,7 +85,7 @@ def _step_worker(rank, world, port, out_dir):
             torch.manual_seed(0)
             model = build_dlrm(_model_cfg(), TABLES, NUM_DENSE, fused=True)  # the trainer's modules
             train = TrainConfig(sharding=sharding, fused_embeddings=fused, embedding_lr=0.2, dense_lr=0.1,
-                                rowwise_adagrad_kernel=kernel)
+                                rowwise_adagrad_kernel=kernel, dense_grad_exchange=kernel)
             sm = shard_model(model, train, world_size=world, device=torch.device("cpu"), dense_optimizer="sgd")
             for ranges in STEPS:
                 a, b = ranges[rank]
@@ -97,7 +98,8 @@ def _step_worker(rank, world, port, out_dir):
             with torch.no_grad():
                 pred = sm.model(probe_dense[:16], _kjt(probe_ids[:16]))
             if rank == 0:
-                torch.save({"pred": pred, "plan": sm.plan_summary(), "update": sm.embedding_update},
+                torch.save({"pred": pred, "plan": sm.plan_summary(), "update": sm.embedding_update,
+                            "sync": sm.dense_sync},
                            Path(out_dir) / f"{sharding}-{int(fused)}-{int(kernel)}.pt")
     finally:
         dist.destroy_process_group()
@@ -149,6 +151,8 @@ def test_distributed_steps_equal_single_process_steps(tmp_path):
         # recforge's row-wise Adagrad kernel updates every fused table when on, FBGEMM's when off
         has_fused = any(k[1] == "fused" for k in kinds)
         assert got["update"] == ("none" if not has_fused else "cpp" if kernel else "fbgemm"), (sharding, fused, kernel)
+        # the dense gradients: one all_to_all exchange on this 2-rank gloo group when on, DDP's allreduce when off
+        assert got["sync"] == ("exchange" if kernel else "allreduce"), (sharding, fused, kernel)
         torch.testing.assert_close(got["pred"], ref, rtol=1e-4, atol=1e-5,
                                    msg=f"{sharding} fused={fused} kernel={kernel}")
 

@@ -2,7 +2,8 @@
 worker result's prefetch_steps and the train run's MLflow tag, the env override's value where that is set; likewise
 train.sparse_dist_pipeline (TorchRec's TrainPipelineSparseDist in the step loop), train.prefetch_sched (the
 prefetch thread's scheduling), resources.allocator (the ranks' allocators) and train.fused_interaction (the dot
-interaction's C++ kernel, tag `interaction`) and train.rowwise_adagrad_kernel (tag `embedding_update`)."""
+interaction's C++ kernel, tag `interaction`) and train.rowwise_adagrad_kernel (tag `embedding_update`) and
+train.dense_grad_exchange (tag `dense_sync`)."""
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,8 @@ def _train(home, key: str, prefetch_steps: int, sparse_dist_pipeline: bool = Fal
                                                     "prefetch_sched": more.get("prefetch_sched", "idle"),
                                                     "fused_interaction": more.get("fused_interaction", True),
                                                     "rowwise_adagrad_kernel": more.get("rowwise_adagrad_kernel",
-                                                                                       True)},
+                                                                                       True),
+                                                    "dense_grad_exchange": more.get("dense_grad_exchange", True)},
                                 "resources": {**CONF["resources"], "allocator": more.get("allocator", "kept")}},
                              home=home)
     generate(ctx)
@@ -42,7 +44,8 @@ def _train(home, key: str, prefetch_steps: int, sparse_dist_pipeline: bool = Fal
 
 def test_the_configured_depth_runs_and_the_override_is_what_is_recorded(recforge_home, monkeypatch):
     monkeypatch.delenv("RECFORGE_TRAIN_PREFETCH", raising=False)
-    sync, worker, data = _train(recforge_home, "sync", 0, fused_interaction=False, rowwise_adagrad_kernel=False)
+    sync, worker, data = _train(recforge_home, "sync", 0, fused_interaction=False, rowwise_adagrad_kernel=False,
+                                dense_grad_exchange=False)
     assert worker.prefetch_steps == 0 and sync.steps == 10  # 1200 rows in batches of 128
     assert (data.params["train.prefetch_steps"], data.tags["prefetch_steps"]) == ("0", "0")
     assert worker.sparse_dist_pipeline is False and data.tags["sparse_dist_pipeline"] == "false"
@@ -51,6 +54,7 @@ def test_the_configured_depth_runs_and_the_override_is_what_is_recorded(recforge
     assert worker.interaction == "torchrec" and data.tags["interaction"] == "torchrec"  # the form switched it off
     assert data.params["train.fused_interaction"] == "False"
     assert worker.embedding_update == "fbgemm" and data.tags["embedding_update"] == "fbgemm"  # switched off too
+    assert worker.dense_sync == "allreduce" and data.tags["dense_sync"] == "allreduce"
 
     monkeypatch.setenv("RECFORGE_TRAIN_PREFETCH", "1")  # the workers' override: what ran, not what was configured
     monkeypatch.delenv("RECFORGE_TRAIN_PIPELINE", raising=False)
@@ -65,6 +69,8 @@ def test_the_configured_depth_runs_and_the_override_is_what_is_recorded(recforge
     # recforge's kernel by default, inside TorchRec's pipeline too (its fx trace records the torch path)
     assert worker.interaction == "cpp" and data.tags["interaction"] == "cpp"
     assert worker.embedding_update == "cpp" and data.tags["embedding_update"] == "cpp"  # row-wise Adagrad kernel
+    # one rank: nothing to exchange with, DDP's own path (tests/integration/test_train_distributed.py: 2 ranks)
+    assert worker.dense_sync == "allreduce" and data.tags["dense_sync"] == "allreduce"
     assert (data.params["train.prefetch_steps"], data.tags["prefetch_steps"]) == ("3", "1")
     # the trigger form's sparse_dist_pipeline ran TorchRec's TrainPipelineSparseDist over the prefetched steps
     assert worker.sparse_dist_pipeline is True and data.tags["sparse_dist_pipeline"] == "true"

@@ -67,6 +67,11 @@ class TrainConfig(StrictModel):
         "in place of FBGEMM's CPU backward: the same update to float rounding, ~3x faster at 13 tables x 1,024 "
         "lookups on the 2-core benchmark (docs/performance.md); CPU tables with embedding_optimizer rowwise_adagrad "
         "only, others keep FBGEMM's. Off: FBGEMM's backward everywhere")
+    dense_grad_exchange: bool = Field(
+        True, description="average the dense gradients across ranks with one all_to_all exchange (each rank sends "
+        "its gradient bucket to every other and sums the copies in rank order) instead of DDP's allreduce, for gloo "
+        "groups of 2-4 ranks: 0.73 against 1.7 ms for 32k floats on the 2-core benchmark (docs/performance.md); "
+        "other groups keep the allreduce. Off: DDP's allreduce everywhere")
     log_every: int = Field(20, ge=1)
     sharding: Literal["auto", "table_wise", "column_wise", "data_parallel"] = "auto"
     fused_embeddings: bool = Field(True, description="FBGEMM TBE with the optimizer applied in backward")

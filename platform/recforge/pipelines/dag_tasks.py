@@ -58,6 +58,7 @@ PARAM_FIELDS: dict[str, tuple[str, ...]] = {
     "prefetch_sched": ("train", "prefetch_sched"),
     "fused_interaction": ("train", "fused_interaction"),
     "rowwise_adagrad_kernel": ("train", "rowwise_adagrad_kernel"),
+    "dense_grad_exchange": ("train", "dense_grad_exchange"),
     "workers": ("resources", "workers"),
     "threads_per_worker": ("resources", "threads_per_worker"),
     "worker_allocator": ("resources", "allocator"),

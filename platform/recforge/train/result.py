@@ -113,6 +113,10 @@ class WorkerResult(_Record):
         None, description="which kernel applied the embedding optimizer to the fused tables in backward: cpp "
         "(recforge's row-wise Adagrad kernel, train.rowwise_adagrad_kernel), fbgemm (FBGEMM's: the option off, "
         "another embedding optimizer, or no kernel), mixed, none (no fused tables); None: not recorded")
+    dense_sync: Literal["exchange", "allreduce", "none"] | None = Field(
+        None, description="what averaged the dense gradients across ranks: exchange (one all_to_all, "
+        "train.dense_grad_exchange on a gloo group of 2-4 ranks), allreduce (DDP's), none (no DDP wrapper, e.g. one "
+        "rank); None: not recorded")
 
     def save(self, output_dir: str | Path) -> Path:
         """Write `output_dir`/result.json atomically (temp file + rename)."""

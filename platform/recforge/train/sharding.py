@@ -34,6 +34,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from recforge.config import TrainConfig
+from recforge.train.dense_sync import DenseSync, ddp_modules, use_dense_grad_exchange
 from recforge.train.embedding_update import EmbeddingUpdate, embedding_update_kind, use_rowwise_adagrad_kernel
 from recforge.train.model import EBC_PATH
 from recforge.train.placement import Placement
@@ -65,6 +66,7 @@ class ShardedModel:
     optimizer: KeyedOptimizer
     plan: ShardingPlan
     embedding_update: EmbeddingUpdate = "fbgemm"  # which kernel updates the fused tables (train.rowwise_adagrad_kernel)
+    dense_sync: DenseSync = "allreduce"  # what averages the dense gradients (train.dense_grad_exchange)
 
     def plan_summary(self) -> dict[str, dict[str, Any]]:
         """{table: {sharding_type, compute_kernel, ranks}} as the planner decided."""
@@ -165,8 +167,12 @@ def shard_model(
         d_cls = DENSE_OPTIMIZERS[dense_optimizer]
         optimizers.append(KeyedOptimizerWrapper(dense, lambda ps: d_cls(ps, lr=train.dense_lr)))
     update = use_rowwise_adagrad_kernel(dmp) if train.rowwise_adagrad_kernel else embedding_update_kind(dmp)
-    sharded = ShardedModel(model=dmp, optimizer=CombinedOptimizer(optimizers), plan=plan, embedding_update=update)
-    log.info("sharding plan: %s; fused tables updated by %s", sharded.plan_summary(), update)
+    sync: DenseSync = (use_dense_grad_exchange(dmp, pg) if train.dense_grad_exchange
+                       else "allreduce" if ddp_modules(dmp) else "none")
+    sharded = ShardedModel(model=dmp, optimizer=CombinedOptimizer(optimizers), plan=plan, embedding_update=update,
+                           dense_sync=sync)
+    log.info("sharding plan: %s; fused tables updated by %s; dense gradients averaged by %s",
+             sharded.plan_summary(), update, sync)
     return sharded
 
 

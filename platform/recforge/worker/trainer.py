@@ -371,6 +371,7 @@ def run(spec: WorkerSpec, rank: int, world_size: int, device: torch.device) -> W
         allocator=allocator_ran(),
         interaction=interaction,
         embedding_update=sharded.embedding_update,
+        dense_sync=sharded.dense_sync,
     )
     out = Path(spec.output_dir)
     out.mkdir(parents=True, exist_ok=True)

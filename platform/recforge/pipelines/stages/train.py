@@ -204,7 +204,8 @@ def log_prefetch(store, run_id: str, worker: WorkerResult) -> None:
     logged; the param `train.prefetch_steps` stays what was configured. Likewise tag `sparse_dist_pipeline`: whether
     the step loop ran TorchRec's TrainPipelineSparseDist, tag `prefetch_sched`: the prefetch thread's scheduling, and
     tag `allocator`: the ranks' allocator mode, tag `interaction`: how the dot interaction ran (cpp / torch /
-    torchrec), tag `embedding_update`: which kernel updated the fused tables (cpp / fbgemm / mixed / none)."""
+    torchrec), tag `embedding_update`: which kernel updated the fused tables (cpp / fbgemm / mixed / none), tag
+    `dense_sync`: what averaged the dense gradients (exchange / allreduce / none)."""
     if worker.prefetch_steps is not None:
         store.set_tags(run_id, {"prefetch_steps": worker.prefetch_steps})
     if worker.sparse_dist_pipeline is not None:
@@ -217,6 +218,8 @@ def log_prefetch(store, run_id: str, worker: WorkerResult) -> None:
         store.set_tags(run_id, {"interaction": worker.interaction})
     if worker.embedding_update is not None:
         store.set_tags(run_id, {"embedding_update": worker.embedding_update})
+    if worker.dense_sync is not None:
+        store.set_tags(run_id, {"dense_sync": worker.dense_sync})
 
 
 def load_trained(ctx: RunContext):
