@@ -47,9 +47,14 @@ def unsupported(tbe: Any) -> str | None:
     if list(tbe.feature_table_map) != list(range(len(tbe.feature_table_map))):
         return "features share tables"
     args = tbe.optimizer_args
-    if args.weight_decay != 0.0 or args.gradient_clipping or args.max_norm != 0.0:
-        return (f"weight decay {args.weight_decay}, gradient clipping {args.gradient_clipping}, max norm "
-                f"{args.max_norm} (none supported)")
+    if args.weight_decay != 0.0 or args.weight_decay_mode != 0 or args.gradient_clipping or args.max_norm != 0.0:
+        return (f"weight decay {args.weight_decay} (mode {args.weight_decay_mode}), gradient clipping "
+                f"{args.gradient_clipping}, max norm {args.max_norm} (none supported)")
+    if getattr(tbe, "_used_rowwise_adagrad_with_counter", False) or getattr(
+            tbe, "_used_rowwise_adagrad_with_global_weight_decay", False):
+        return "row-wise Adagrad with counters or global weight decay (extra per-row state)"
+    if tbe.momentum1_host.dtype != torch.float32:
+        return f"momentum in {tbe.momentum1_host.dtype} (only float32)"
     if LIBRARY.ops() is None:
         return f"the C++ kernels are not available ({LIBRARY.status()})"
     return None
@@ -91,13 +96,13 @@ def install(tbe: Any) -> bool:
         return True
     if unsupported(tbe) is not None:
         return False
-    stock = tbe.forward
+    stock = type(tbe).forward  # unbound: a copy of the module falls back to its own forward
 
     def forward(self: Any, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None,
                 **extras: Any) -> Tensor:
         if (per_sample_weights is not None or any(v is not None for v in extras.values())
                 or not torch.is_grad_enabled() or indices.device.type != "cpu"):
-            return stock(indices, offsets, per_sample_weights, **extras)
+            return stock(self, indices, offsets, per_sample_weights, **extras)
         return lookup(self, indices, offsets)
 
     tbe.forward = types.MethodType(forward, tbe)

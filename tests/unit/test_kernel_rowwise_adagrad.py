@@ -90,8 +90,10 @@ def test_without_autograd_or_with_per_sample_weights_fbgemm_runs():
     stock, fast = _tbe(), _tbe()
     ra.install(fast)
     indices, offsets, grad = _batch(1)
+    steps = fast.step
     with torch.no_grad():
         assert torch.equal(fast(indices, offsets), stock(indices, offsets))
+    assert fast.step == steps + 1  # FBGEMM's own forward ran (it counts its calls; the kernels' path does not)
     weights = torch.rand(indices.numel())
     out = fast(indices, offsets, per_sample_weights=weights)  # FBGEMM's forward and backward
     torch.testing.assert_close(out, stock(indices, offsets, per_sample_weights=weights))
@@ -108,10 +110,33 @@ def test_an_id_outside_its_table_raises_naming_the_feature():
         fast(indices, offsets)
 
 
-def test_offsets_that_are_not_features_times_batch_are_refused():
+def test_offsets_that_are_not_features_times_batch_or_out_of_order_are_refused():
     fast = _tbe()
     with pytest.raises(ValueError, match="not features x batch"):
         ra.lookup(fast, torch.zeros(3, dtype=torch.long), torch.arange(5))
+    offsets = torch.tensor([0, 2, 1, 3])  # 3 features x 1 bag, decreasing at bag 1
+    with pytest.raises(RuntimeError, match="offsets decrease at bag 1"):
+        ra.lookup(fast, torch.zeros(3, dtype=torch.long), offsets)
+    with pytest.raises(RuntimeError, match="outside the 3 indices"):
+        ra.lookup(fast, torch.zeros(3, dtype=torch.long), torch.tensor([0, 1, 2, 9]))
+
+
+def test_a_feature_with_only_empty_bags_and_an_empty_batch():
+    stock, fast = _tbe(), _tbe()
+    ra.install(fast)
+    indices, offsets, grad = _batch(3, batch=8)
+    lens = offsets.diff()
+    lens[8:16] = 0  # feature 1: every bag empty
+    keep = torch.ones(indices.numel(), dtype=torch.bool)
+    keep[int(offsets[8]):int(offsets[16])] = False
+    indices, offsets = indices[keep], torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    for m in (stock, fast):
+        m(indices, offsets).backward(grad)
+    torch.testing.assert_close(fast.weights_host, stock.weights_host, rtol=1e-5, atol=1e-6)
+    out = fast(torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.long))  # no bags at all
+    assert out.shape == (0, sum(d for _, d in SPECS))
+    out.backward(torch.zeros_like(out))
+    torch.testing.assert_close(fast.weights_host, stock.weights_host, rtol=1e-5, atol=1e-6)
 
 
 def test_unsupported_modules_are_named_and_left_alone(monkeypatch):
@@ -122,6 +147,9 @@ def test_unsupported_modules_are_named_and_left_alone(monkeypatch):
     assert ra.unsupported(shared) == "features share tables"
     decay = _tbe(weight_decay=0.01)
     assert "weight decay" in ra.unsupported(decay)
+    counter = _tbe()
+    counter._used_rowwise_adagrad_with_counter = True  # as FBGEMM marks its counter-based modes
+    assert "counters" in ra.unsupported(counter)
     assert ra.unsupported(_tbe()) is None
     monkeypatch.setitem(ra.LIBRARY._state, "ops", None)  # no compiler: FBGEMM's backward, and why
     assert "not available" in ra.unsupported(_tbe())

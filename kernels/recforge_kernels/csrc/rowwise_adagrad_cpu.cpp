@@ -15,6 +15,7 @@
 #include <torch/library.h>
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -37,6 +38,14 @@ void check_inputs(const at::Tensor& weights, const at::Tensor& weights_offsets, 
               "rowwise_adagrad: D_offsets and hash_size_cumsum need one entry per feature plus one");
   TORCH_CHECK(B >= 0 && offsets.numel() == T * B + 1, "rowwise_adagrad: offsets has ", offsets.numel(),
               " entries, expected features x batch + 1 = ", T * B + 1);
+  const auto off = offsets.contiguous();
+  const int64_t* of = off.data_ptr<int64_t>();
+  TORCH_CHECK(of[0] >= 0 && of[T * B] <= indices.numel(), "rowwise_adagrad: offsets span ", of[0], "..", of[T * B],
+              ", outside the ", indices.numel(), " indices");
+  for (int64_t i = 0; i < T * B; ++i) {
+    TORCH_CHECK(of[i] <= of[i + 1], "rowwise_adagrad: offsets decrease at bag ", i, " (", of[i], " > ", of[i + 1],
+                ")");
+  }
 }
 
 // out[b, D_offsets[t] + d] = sum of row indices[p] of feature t over bag (t, b), in bag order.
@@ -132,7 +141,7 @@ void backward_update(const at::Tensor& grad_output, const at::Tensor& weights, c
       keys.assign(cap, -1);
       slot_of.resize(cap);
       rows_seen.clear();
-      acc.assign(n * D, 0.0f);
+      acc.assign(std::min(n, rows) * D, 0.0f);  // one gradient per distinct row
       for (int64_t b = 0; b < B; ++b) {
         const float* src = g + b * total_D + D_o[t];
         for (int64_t p = of[t * B + b]; p < of[t * B + b + 1]; ++p) {

@@ -64,13 +64,14 @@ class TrainConfig(StrictModel):
     rowwise_adagrad_kernel: bool = Field(
         True, description="apply row-wise Adagrad to the fused embedding tables in backward with recforge's C++ "
         "kernel (each table's distinct rows by hashing, the update in place on FBGEMM's own weights and momentum) "
-        "in place of FBGEMM's CPU backward: the same update to float rounding, ~3x faster at 13 tables x 1,024 "
+        "in place of FBGEMM's CPU backward: the same update to float rounding, ~5x faster at 13 tables x 1,024 "
         "lookups on the 2-core benchmark (docs/performance.md); CPU tables with embedding_optimizer rowwise_adagrad "
         "only, others keep FBGEMM's. Off: FBGEMM's backward everywhere")
     dense_grad_exchange: bool = Field(
         True, description="average the dense gradients across ranks with one all_to_all exchange (each rank sends "
         "its gradient bucket to every other and sums the copies in rank order) instead of DDP's allreduce, for gloo "
-        "groups of 2-4 ranks: 0.73 against 1.7 ms for 32k floats on the 2-core benchmark (docs/performance.md); "
+        "groups of 2-4 ranks and buckets up to 262,144 values: 0.73 against 1.7 ms for 32k floats on the 2-core "
+        "benchmark (docs/performance.md); "
         "other groups keep the allreduce. Off: DDP's allreduce everywhere")
     log_every: int = Field(20, ge=1)
     sharding: Literal["auto", "table_wise", "column_wise", "data_parallel"] = "auto"

@@ -167,7 +167,7 @@ def shard_model(
         d_cls = DENSE_OPTIMIZERS[dense_optimizer]
         optimizers.append(KeyedOptimizerWrapper(dense, lambda ps: d_cls(ps, lr=train.dense_lr)))
     update = use_rowwise_adagrad_kernel(dmp) if train.rowwise_adagrad_kernel else embedding_update_kind(dmp)
-    sync: DenseSync = (use_dense_grad_exchange(dmp, pg) if train.dense_grad_exchange
+    sync: DenseSync = (use_dense_grad_exchange(dmp) if train.dense_grad_exchange
                        else "allreduce" if ddp_modules(dmp) else "none")
     sharded = ShardedModel(model=dmp, optimizer=CombinedOptimizer(optimizers), plan=plan, embedding_update=update,
                            dense_sync=sync)
