@@ -1,7 +1,10 @@
 """Shared fixtures. Test data lives in tests/data/ (see its README.md)."""
+import importlib.util
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -62,3 +65,24 @@ def module_home(tmp_path_factory, mlflow_db):
     with pytest.MonkeyPatch.context() as mp:
         _use_home(mp, home, mlflow_db)
         yield home
+
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="session")
+def load_bench() -> Callable[[str], ModuleType]:
+    """load(name): a fresh import of bench/bench_<name>.py as module `bench_<name>_under_test` (bench/ on sys.path:
+    the scripts import their siblings, _results and others)."""
+
+    def load(name: str) -> ModuleType:
+        if str(BENCH_DIR) not in sys.path:
+            sys.path.insert(0, str(BENCH_DIR))
+        spec = importlib.util.spec_from_file_location(f"bench_{name}_under_test", BENCH_DIR / f"bench_{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -2,23 +2,14 @@
 medians and the speedup; bad arguments and a size beyond memory are refused."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_rowwise_adagrad.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH.parent))
-    spec = importlib.util.spec_from_file_location("bench_rowwise_adagrad_under_test", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_bench):
+    return load_bench("rowwise_adagrad")
 
 
 def test_small_run_reports_both_sides(bench, tmp_path):

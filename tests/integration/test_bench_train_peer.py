@@ -2,23 +2,13 @@
 anything runs (naming the limit), the reference's transform and batches, and the report's medians and ratios."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_train_peer.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH.parent))  # the script imports its siblings (_results, train_peer)
-    spec = importlib.util.spec_from_file_location("bench_train_peer_under_test", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_bench):
+    return load_bench("train_peer")
 
 
 def test_refuses_what_the_machine_cannot_hold(bench, capsys):

@@ -3,24 +3,14 @@ writes, and the refusal of points the machine cannot hold (before anything runs)
 by the integration tests; here one point's run is replaced by a recorded result."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_accuracy.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_accuracy_under_test", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def bench(load_bench):
+    return load_bench("accuracy")
 
 
 def test_overrides_land_on_the_defaults_and_bad_ones_are_named(bench):

@@ -3,10 +3,7 @@ hold, RAP's prediction fields, the plot) and what it needed in rap/: a job whose
 runs there as one executor call (the single pass), and kernel costs scaled to the whole batch's time."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +18,6 @@ from recforge.rap.planning.schedule import whole_kernel_schedule
 from recforge.rap.profiling.profile_job import single_rank_group
 from recforge.rap.runtime.corun_runtime import CorunRuntime
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_rap_share.py"
 DS = DatasetConfig(
     name="rap_share_tiny",
     dense=[DenseFeature(name=f"I{i}", missing_rate=0.2) for i in range(1, 4)],
@@ -31,14 +27,8 @@ PLAN = criteo_plan(DS, table_cap=64)
 
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH.parent))  # the script imports its siblings (_results, bench_rap)
-    spec = importlib.util.spec_from_file_location("bench_rap_share_under_test", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def bench(load_bench):
+    return load_bench("rap_share")
 
 
 def test_candidates_are_the_grid_and_bad_names_are_refused(bench):
@@ -181,12 +171,9 @@ def test_the_script_form_is_the_torch_fallback_as_torchscript(bench):
     assert share is not None and 0 < share <= 1
 
 
-def test_the_pair_check_times_both_threads(bench):
+def test_the_pair_check_times_both_threads(bench, load_bench):
     """bench_rap_pair: the step and the executor, alone and beside each other (a small point, both sides timed)."""
-    spec = importlib.util.spec_from_file_location("bench_rap_pair_under_test", BENCH.parent / "bench_rap_pair.py")
-    assert spec is not None and spec.loader is not None
-    pair_mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pair_mod)
+    pair_mod = load_bench("rap_pair")
     with single_rank_group():
         r = pair_mod.pair(bench.Candidate("plan0", "micro", 64, "script"), steps=2)
     assert set(r) >= {"step_alone_ms", "step_beside_executor_ms", "executor_alone_ms", "executor_beside_steps_ms"}

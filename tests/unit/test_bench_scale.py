@@ -2,25 +2,16 @@
 refusal of sizes the machine cannot hold (before anything runs)."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_scale.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_scale_under_test", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def bench(load_bench):
+    return load_bench("scale")
 
 
 ALLOCATING_TREE = textwrap.dedent("""

@@ -2,23 +2,12 @@
 a tiny run (no timing is asserted)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_kernel_limits.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_kernel_limits_under_test", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def bench(load_bench):
+    return load_bench("kernel_limits")
 
 
 def test_refuses_what_memory_cannot_hold_before_starting(bench, monkeypatch):

@@ -1,22 +1,14 @@
 """bench_simulate --scale: the projection that skips a point past the budget, and the report's shape."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_simulate.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_simulate_under_test", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_bench):
+    return load_bench("simulate")
 
 
 def test_projection_scales_by_jobs_and_carries_the_measured_growth(bench):

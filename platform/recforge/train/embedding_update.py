@@ -35,11 +35,9 @@ def use_rowwise_adagrad_kernel(model: torch.nn.Module) -> EmbeddingUpdate:
     """Route every fused embedding module of a sharded `model` that the kernels support through them (each other
     one's reason logged); returns embedding_update_kind(model)."""
     for tbe in fused_embedding_modules(model):
-        why = unsupported(tbe)
-        if why is None:
-            install(tbe)
-        else:
-            log.info("fused embedding tables %s keep FBGEMM's backward: %s", getattr(tbe, "table_names", "?"), why)
+        if not install(tbe):  # install checks unsupported(tbe) itself; asked again only to log the reason
+            log.info("fused embedding tables %s keep FBGEMM's backward: %s", getattr(tbe, "table_names", "?"),
+                     unsupported(tbe))
     return embedding_update_kind(model)
 
 
