@@ -83,12 +83,13 @@ MODELS: dict[str, tuple[list[int], list[int], int, int]] = {
     "micro": ([8], [8], 4, 500),
 }
 # the fused executor's form, for inline preprocessing and the co-run alike: "single" = one pass over every feature's
-# chain per row tile (recforge's CPU form), "grouped" = one call per fused group (RAP's horizontal fusion), "torch" =
-# the same groups on the ops' torch fallback (one torch kernel per op: the unfused baseline, FusedExecutor(native=
-# False)), where preprocessing is a larger share of a step; "script" = the same torch ops, each group one TorchScript
-# function (recforge.preprocess.fused_torch_script: still one kernel per op, but the interpreter runs without the
-# GIL, so the co-run thread does not take the trainer's GIL op by op)
-FORMS = ("single", "grouped", "torch", "script")
+# chain per row tile (recforge's CPU form), "grouped" = one C++ call per fused group (RAP's horizontal fusion), the
+# whole batch as one traced TorchScript graph (the executor's default: no GIL between groups), "grouped_python" = the
+# same calls made from Python group by group (the GIL taken between them), "torch" = the same groups on the ops' torch
+# fallback (one torch kernel per op: the unfused baseline, FusedExecutor(native=False)), where preprocessing is a
+# larger share of a step; "script" = the same torch ops, each group one TorchScript function
+# (recforge.preprocess.fused_torch_script: still one kernel per op, but the interpreter runs without the GIL)
+FORMS = ("single", "grouped", "grouped_python", "torch", "script")
 
 
 def executor_options(form: str) -> dict[str, bool]:
@@ -96,7 +97,8 @@ def executor_options(form: str) -> dict[str, bool]:
     ScriptedFusedExecutor: build_executor)."""
     if form not in FORMS:
         raise ValueError(f"unknown executor form {form!r}; choose from {list(FORMS)}")
-    return {"single_pass": form == "single", "native": form not in ("torch", "script")}
+    return {"single_pass": form == "single", "native": form not in ("torch", "script"),
+            "trace_batches": form != "grouped_python"}
 
 
 def build_executor(form: str, plan, ds, compiled=None) -> FusedExecutor:
@@ -246,20 +248,29 @@ def calibrate(c: Candidate, seed: int) -> dict[str, Any]:
 
 
 def torchscript_share(point: Point, reps: int = 5) -> float | None:
-    """The script form: the share of a batch's wall time spent inside TorchScript calls, where the GIL is released
-    (the rest, check_batch / the KJT's wrapper / the Python between groups, holds it); None for other forms. A
-    ratio of one thread's own times, so the machine's load moves it little (a spin thread's progress does not
-    separate the forms under load: the GIL-hungry side is the one that waits)."""
+    """The script and grouped forms: the share of a batch's wall time spent inside TorchScript calls, where the GIL is
+    released (the rest, check_batch / the KJT's wrapper / the Python between groups, holds it); None for forms that
+    trace nothing. A ratio of one thread's own times, so the machine's load moves it little (a spin thread's progress
+    does not separate the forms under load: the GIL-hungry side is the one that waits)."""
     ex = point.executor
-    if not isinstance(ex, ScriptedFusedExecutor):
+    if isinstance(ex, ScriptedFusedExecutor):
+        def inside() -> float:
+            return ex.script_s
+    elif ex.traces is not None and point.c.form == "grouped":
+        traces = ex.traces
+
+        def inside() -> float:
+            return traces.seconds
+    else:
         return None
     raw = random_raw_batch(point.ds, point.c.batch, seed=1)
     ex(raw)
+    ex(raw)  # the grouped form traces a batch shape the second time it is seen
     shares = []
     for _ in range(reps):
-        before, t0 = ex.script_s, time.perf_counter()
+        before, t0 = inside(), time.perf_counter()
         ex(raw)
-        shares.append((ex.script_s - before) / (time.perf_counter() - t0))
+        shares.append((inside() - before) / (time.perf_counter() - t0))
     return round(statistics.median(shares), 4)
 
 

@@ -141,13 +141,17 @@ def test_kernel_costs_are_scaled_up_to_the_whole_batch_never_down():
 def test_the_torch_form_runs_the_same_groups_on_torch_ops_with_the_same_values(bench):
     """The unfused baseline form ("torch": FusedExecutor(native=False)) never calls the C++ kernels, and gives the
     values of the native forms on the same batch."""
-    assert bench.executor_options("torch") == {"single_pass": False, "native": False}
-    assert bench.executor_options("single") == {"single_pass": True, "native": True}
+    assert bench.executor_options("torch") == {"single_pass": False, "native": False, "trace_batches": True}
+    assert bench.executor_options("single") == {"single_pass": True, "native": True, "trace_batches": True}
+    assert bench.executor_options("grouped_python") == {"single_pass": False, "native": True, "trace_batches": False}
     with pytest.raises(ValueError, match="unknown executor form 'unfused'"):
         bench.executor_options("unfused")
     raw = random_raw_batch(DS, 256, seed=5)
-    outs = {f: bench.build_executor(f, PLAN, DS)(raw) for f in bench.FORMS}
-    for f in ("grouped", "torch", "script"):
+    executors = {f: bench.build_executor(f, PLAN, DS) for f in bench.FORMS}
+    outs = {f: executors[f](raw) for f in bench.FORMS}
+    outs["grouped_traced"] = executors["grouped"](raw)  # the second batch of this shape: traced
+    assert executors["grouped"].traces.traced == 1 and executors["grouped_python"].traces is None
+    for f in ("grouped", "grouped_traced", "grouped_python", "torch", "script"):
         assert torch.equal(outs[f][0], outs["single"][0]), f
         for key in outs["single"][1].keys():
             assert torch.equal(outs[f][1][key].values(), outs["single"][1][key].values()), (f, key)
@@ -159,7 +163,7 @@ def test_the_script_form_is_the_torch_fallback_as_torchscript(bench):
     torch_ex = bench.build_executor("torch", PLAN, DS)
     ex = bench.build_executor("script", PLAN, DS, torch_ex.compiled)
     assert type(ex).__name__ == "ScriptedFusedExecutor" and ex.compiled is torch_ex.compiled
-    assert bench.executor_options("script") == {"single_pass": False, "native": False}
+    assert bench.executor_options("script") == {"single_pass": False, "native": False, "trace_batches": True}
     raw = random_raw_batch(DS, 64, seed=6)
     ex(raw)
     assert ex.last_path == record.TORCH_FALLBACK and ex.executed.snapshot()["native"] == 0
@@ -168,7 +172,12 @@ def test_the_script_form_is_the_torch_fallback_as_torchscript(bench):
     with single_rank_group():
         share = bench.torchscript_share(bench.Point(bench.Candidate("plan0", "micro", 64, "script"), seed=0), reps=2)
         assert bench.torchscript_share(bench.Point(bench.Candidate("plan0", "micro", 64, "torch"), seed=0)) is None
+        grouped = bench.torchscript_share(bench.Point(bench.Candidate("plan2", "micro", 64, "grouped"), seed=0),
+                                          reps=2)
+        assert bench.torchscript_share(bench.Point(bench.Candidate("plan2", "micro", 64, "grouped_python"),
+                                                   seed=0)) is None
     assert share is not None and 0 < share <= 1
+    assert grouped is not None and 0 < grouped <= 1  # the C++ groups' traced graph
 
 
 def test_the_pair_check_times_both_threads(bench, load_bench):

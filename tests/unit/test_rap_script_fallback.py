@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from recforge.config import DatasetConfig, DenseFeature, ModelConfig, SparseFeature
+from every_op_plan import DS, EVERY_OP, f, outputs_equal
+from recforge.config import ModelConfig
 from recforge.preprocess.executor import make_executor
 from recforge.preprocess.executors import record
 from recforge.preprocess.fused_torch_script import OPS, ScriptedFusedExecutor, ScriptKernels, scripted
@@ -110,41 +111,6 @@ def test_every_op_is_a_torchscript_function_and_unknown_ops_are_named():
         ScriptKernels().fused_softmax  # noqa: B018
 
 
-DS = DatasetConfig(
-    name="script_small",
-    dense=[DenseFeature(name=f"I{i}") for i in (1, 2, 3)],
-    sparse=[SparseFeature(name=f"C{i}", cardinality=c) for i, c in zip((1, 2, 3), (50, 7, 100_000), strict=True)],
-)
-
-
-def f(name, kind, source, *ops):
-    return {"name": name, "kind": kind, "source": source, "ops": [{"op": o, "params": p} for o, p in ops]}
-
-
-EVERY_OP = Plan.model_validate({"name": "script_every_op", "features": [
-    f("I1", "dense", "I1", ("fill_null", {"value": 0.5}), ("logit", {"eps": 1e-3})),
-    f("I2", "dense", "I2", ("fill_null", {}), ("boxcox", {"lambda": 0.25}), ("clamp", {"lo": -2, "hi": 30}),
-      ("boxcox", {"lambda": 0.0})),
-    f("I3", "dense", "I3", ("fill_null", {}), ("onehot", {"lo": -4, "hi": 60, "C": 6}), ("ngram", {"n": 3}),
-      ("firstx", {"X": 1})),
-    f("I3l", "dense", "I3", ("fill_null", {"value": -2}), ("clamp", {"lo": -5, "hi": 1e4}), ("log1p", {})),
-    f("C1", "sparse", "C1", ("fill_null", {"value": 3}), ("sigrid_hash", {"salt": 11, "M": 50}),
-      ("ngram", {"n": 2}), ("firstx", {"X": 3})),
-    f("C2", "sparse", "C2", ("fill_null", {}), ("mapid", {"map": [16, 15, 14, 2**40]}), ("clamp", {"lo": 0, "hi": 9})),
-    f("C2h", "sparse", "C2", ("fill_null", {}), ("sigrid_hash", {"M": 7}), ("cast", {"to": "float"}),
-      ("bucketize", {"borders": [0.5, 2.5, 4.0]})),
-    f("I1c", "sparse", "I1", ("fill_null", {}), ("cast", {"to": "id"}), ("clamp", {"lo": 0, "hi": 20})),
-    f("C3", "sparse", "C3", ("fill_null", {}), ("sigrid_hash", {"M": 100_000}), ("firstx", {"X": 1})),
-]})
-
-
-def outputs_equal(a, b) -> None:
-    assert torch.equal(torch.isnan(a[0]), torch.isnan(b[0]))
-    assert torch.equal(torch.nan_to_num(a[0]), torch.nan_to_num(b[0]))
-    assert a[1].keys() == b[1].keys()
-    assert torch.equal(a[1].values(), b[1].values()) and torch.equal(a[1].lengths(), b[1].lengths())
-
-
 @pytest.mark.parametrize("lists", [(), ("C1",), ("C1", "C2")])
 @pytest.mark.parametrize("rows,seed", [(64, 1), (0, 2), (7, 3)])
 def test_the_scripted_executor_equals_the_kernels_and_the_reference(lists, rows, seed):
@@ -169,17 +135,21 @@ def test_the_traced_whole_batch_equals_the_group_by_group_run(rows):
     """A batch without list columns runs as one traced graph (traced per row count); group by group gives the same
     outputs, and a batch with list columns takes the group-by-group path."""
     whole, per_group = ScriptedFusedExecutor(EVERY_OP, DS), ScriptedFusedExecutor(EVERY_OP, DS, whole_batch=False)
+    assert whole.traces is not None and per_group.traces is None
     for seed in (1, 2):  # the second batch reuses the trace with other values
         raw = random_raw_batch(DS, rows, seed=seed, extreme_rate=0.2)
+        inside = whole.traces.seconds
         got = whole(raw)
-        assert whole.calls == 1 and per_group.describe()["torchscript"] == "per group"
+        assert whole.traces.seconds > inside  # ran the traced graph, from the first batch of this shape on
+        assert per_group.describe()["torchscript"] == "per group"
         outputs_equal(got, per_group(raw))
-        assert per_group.calls > 1
+        assert per_group.calls > 1 and whole.calls == per_group.calls  # the graph makes the same kernel calls
     assert whole.script_s > 0 and per_group.script_s > 0  # the time inside TorchScript calls is counted
-    assert list(whole._traced) == [(rows, torch.int64)]
+    assert whole.traces.describe()["traced"] == 1 and whole.traces.describe()["kept"] == 1
     raw = random_raw_batch(DS, rows, seed=3, list_columns=("C1",))
+    inside = whole.traces.seconds
     outputs_equal(whole(raw), make_executor("fused", EVERY_OP, DS)(raw))
-    assert whole.calls > 1  # list columns: group by group
+    assert whole.traces.seconds == inside and whole.traces.traced == 1  # list columns: group by group
 
 
 @pytest.mark.parametrize("name", PRESET_PLANS)
@@ -212,5 +182,5 @@ def test_plan_schedule_times_the_executor_it_is_given():
     assert {a.group for a in sched.assignments} == {g.name for g in ex.compiled.groups}
     assert ex.executed.snapshot()["group_calls"]  # its groups were the ones timed
     other = Plan.model_validate({"name": "other", "features": [f("I1", "dense", "I1", ("fill_null", {}))]})
-    with pytest.raises(ValueError, match="executor runs plan 'script_every_op', not 'other'"):
+    with pytest.raises(ValueError, match="executor runs plan 'every_op', not 'other'"):
         plan_schedule(other, DS, model, 1, 32, "emb_bwd", None, executor=ex)

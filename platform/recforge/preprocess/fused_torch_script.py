@@ -10,25 +10,23 @@ fuser: the CPU fuser is off by default) and so the C++ kernels'.
 
     executor = ScriptedFusedExecutor(plan, dataset)   # FusedExecutor(native=False) with these kernels
 
-A whole batch without list columns runs as one traced TorchScript graph (the groups and `finish`'s ops); only
-`check_batch` and the KJT's Python wrapper then take the GIL. Group by group (`run_group`, RAP's spread co-run
-schedules, and batches with list columns) FusedExecutor's per-group Python takes it between the scripted calls: a
-few times per batch instead of once per op. `script_s` counts the time inside TorchScript calls.
+A whole batch without list columns runs as one traced TorchScript graph (the groups and `finish`'s ops: the fused
+executor's batch traces); only `check_batch` and the KJT's Python wrapper then take the GIL. Group by group
+(`run_group`, RAP's spread co-run schedules, and batches with list columns) FusedExecutor's per-group Python takes it
+between the scripted calls: a few times per batch instead of once per op. `script_s` counts the time inside
+TorchScript calls.
 """
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recforge.config import DatasetConfig
-from recforge.preprocess.batch import RawBatch
-from recforge.preprocess.columns import Col, check_batch, finish
+from recforge.preprocess.executors.batch_trace import BatchTraces
 from recforge.preprocess.executors.fused import FusedExecutor
 from recforge.preprocess.executors.record import TORCH_FALLBACK
 from recforge.preprocess.planning.compiler import CompiledPlan, CompileMethod
@@ -242,10 +240,10 @@ class ScriptedFusedExecutor(FusedExecutor):
     """FusedExecutor(native=False) whose groups run the TorchScript fallback (`ScriptKernels`): the same groups,
     values and per-op kernels as the torch fallback, each group one GIL-free interpreter call.
 
-    `whole_batch=True` (default): a whole CPU batch without list columns runs as one traced TorchScript graph (every
-    group's scripted calls and `finish`'s ops, traced once per row count and dtypes): one interpreter call, so the
-    executor's Python between groups does not take the GIL either; only the KJT's Python wrapper does. Still one
-    kernel per op. `run_group` (RAP's co-run of single groups) runs group by group as above."""
+    `whole_batch=True` (default): a whole CPU batch without list columns runs as one traced TorchScript graph from its
+    first call (every group's scripted calls and `finish`'s ops: FusedExecutor's `trace_batches`), so the executor's
+    Python between groups does not take the GIL either; only the KJT's Python wrapper does. Still one kernel per op.
+    `run_group` (RAP's co-run of single groups) runs group by group as above."""
 
     name = "fused"
 
@@ -253,53 +251,25 @@ class ScriptedFusedExecutor(FusedExecutor):
                  compiled: CompiledPlan | None = None, prune: bool = True, report: bool = True,
                  whole_batch: bool = True) -> None:
         super().__init__(plan, dataset, method=method, compiled=compiled, prune=prune, single_pass=False,
-                         native=False, report=report)
+                         native=False, report=report, trace_batches=False)
         self._k = ScriptKernels()
         self.whole_batch = whole_batch
+        # the per-group path here is slow (the torch ops' fallback): trace a shape the first time it is seen
+        self.traces = BatchTraces(self._grouped_outputs, after=1) if whole_batch else None
         self.single_pass_reason = "off (TorchScript fallback: fused_chain exists in C++ only)"
-        self._traced: dict[tuple, Any] = {}  # (rows, dense dtype) -> the traced whole batch
-        self.script_s = 0.0  # seconds spent inside TorchScript calls (the GIL released), all batches and groups
+        self._group_s = 0.0  # seconds inside the per-group scripted calls
 
-    @torch.no_grad()
-    def __call__(self, raw: RawBatch) -> tuple[Tensor, KeyedJaggedTensor]:
-        if not self.whole_batch or raw.jagged or raw.rows == 0 or raw.dense.device.type != "cpu":
-            return super().__call__(raw)
-        check_batch(raw, self.dataset, self.plan)
-        key = (raw.rows, raw.dense.dtype)
-        if key not in self._traced:
-            self._traced[key] = self._trace(raw)
-        t0 = time.perf_counter()
-        dense, values, lengths = self._traced[key](raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid)
-        self.script_s += time.perf_counter() - t0
-        self.calls = 1
-        self._count(TORCH_FALLBACK, False, "native=False, TorchScript (ScriptedFusedExecutor, traced whole batch)")
-        return dense, KeyedJaggedTensor(keys=self.plan.sparse_features(), values=values, lengths=lengths,
-                                        stride=raw.rows)
-
-    def _trace(self, raw: RawBatch) -> Any:
-        label = raw.label
-
-        def batch(dense: Tensor, dense_valid: Tensor, sparse: Tensor, sparse_valid: Tensor
-                  ) -> tuple[Tensor, Tensor, Tensor]:
-            r = RawBatch(label=label, dense=dense, dense_valid=dense_valid, sparse=sparse, sparse_valid=sparse_valid)
-            vals: dict[int, Col] = {}
-            for gi, group in enumerate(self.compiled.groups):
-                self._run_group(gi, group, r, vals)
-            outputs = {f: vals[n] for f, n in self.compiled.graph.outputs.items()}
-            d, kjt = finish(self.plan, outputs, r.rows, r.dense.device)
-            return d, kjt.values(), kjt.lengths()
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)  # row counts are constants: traced per count
-            return torch.jit.trace(batch, (raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid),
-                                   check_trace=False)
+    @property
+    def script_s(self) -> float:
+        """Seconds spent inside TorchScript calls (the GIL released), all batches and groups."""
+        return self._group_s + (self.traces.seconds if self.traces is not None else 0.0)
 
     def _call(self, op: Callable, *args: Any) -> Any:
         t0 = time.perf_counter()
         try:
             return super()._call(op, *args)
         finally:
-            self.script_s += time.perf_counter() - t0
+            self._group_s += time.perf_counter() - t0
 
     def group_path(self, device: torch.device) -> tuple[str, bool, str | None]:
         return TORCH_FALLBACK, False, "native=False, TorchScript (ScriptedFusedExecutor)"

@@ -2,8 +2,10 @@
 
 A group whose members differ in form is split into one call per form. `prune=True` skips values no consumer
 reads; `single_pass=True` (CPU, C++ kernels) runs every feature's whole chain in one call when each keeps one
-value per row. Both give the grouped kernels' values. `native=False` runs the ops' torch fallback instead of the
-C++ / Triton kernels. Each batch is counted under the path that ran it (recforge.preprocess.executors.record).
+value per row; `trace_batches=True` runs the groups of a CPU batch without list columns as one traced TorchScript
+graph (recforge.preprocess.executors.batch_trace: one call without the GIL). All give the grouped kernels' values.
+`native=False` runs the ops' torch fallback instead of the C++ / Triton kernels. Each batch is counted under the
+path that ran it (recforge.preprocess.executors.record).
 Design: docs/rap.md#the-fusion-milp-and-the-fused-executor.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import recforge_kernels  # noqa: F401  (registers recforge::fused_*)
 from recforge.config import DatasetConfig
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.columns import BatchError, Col, check_batch, finish, sources
+from recforge.preprocess.executors.batch_trace import BatchOutputs, BatchTraces
 from recforge.preprocess.executors.chain import ChainProgram, NotChainable, chain_program
 from recforge.preprocess.executors.record import (
     CPP_PER_GROUP,
@@ -96,9 +99,10 @@ class FusedExecutor:
 
     def __init__(self, plan: Plan, dataset: DatasetConfig, method: CompileMethod = "milp",
                  compiled: CompiledPlan | None = None, prune: bool = True, single_pass: bool = True,
-                 native: bool = True, report: bool = True):
+                 native: bool = True, report: bool = True, trace_batches: bool = True):
         """`native=False`: the torch fallback of every op, never the C++ / Triton kernels. `report=False`: count
-        batches in `executed` only, not in the process's log (an executor inside another one)."""
+        batches in `executed` only, not in the process's log (an executor inside another one). `trace_batches=False`:
+        every batch that takes the groups runs them from Python."""
         plan.validate_for(dataset)
         self.plan, self.dataset, self.prune = plan, dataset, prune
         self.native, self.report = native, report
@@ -112,6 +116,8 @@ class FusedExecutor:
         self._tables: dict[tuple[int, str], Tensor] = {}  # (group index, device) -> flat borders / map table
         self._plans: dict[tuple, list] = {}  # (group, device) -> [(member indices, call)] of an elementwise group
         self.calls = 0  # op calls made by the last batch
+        self.traces = BatchTraces(self._grouped_outputs) if trace_batches else None
+        self._traced_calls = 0
         self._chain: ChainProgram | None = None
         self.single_pass_reason = "off (single_pass=False)"
         if not native:
@@ -134,14 +140,34 @@ class FusedExecutor:
             keys = self.plan.sparse_features()
             lengths = torch.ones(len(keys) * raw.rows, dtype=torch.int32, device=ids.device)
             return dense, KeyedJaggedTensor(keys=keys, values=ids, lengths=lengths, stride=raw.rows)
-        vals: dict[int, Col] = {}
+        path, native, reason = self.group_path(raw.dense.device)
+        traced = self.traces.run(raw, variant=path) if self.traces is not None else None
+        if traced is not None:
+            dense, values, lengths = traced
+            self.calls = self._traced_calls
+            reason = "; ".join(r for r in (reason, "whole batch traced: one TorchScript call") if r)
+            self._count(path, native, f"{reason}; single pass {why_not}")
+            return dense, KeyedJaggedTensor(keys=self.plan.sparse_features(), values=values, lengths=lengths,
+                                            stride=raw.rows)
         self.calls = 0
+        dense, kjt = self._grouped(raw)
+        self._count(path, native, f"{reason}; single pass {why_not}" if reason else f"single pass {why_not}")
+        return dense, kjt
+
+    def _grouped(self, raw: RawBatch) -> tuple[Tensor, KeyedJaggedTensor]:
+        """The batch group by group, then `finish`: the per-group path."""
+        vals: dict[int, Col] = {}
         for gi, group in enumerate(self.compiled.groups):
             self._run_group(gi, group, raw, vals)
-        path, native, reason = self.group_path(raw.dense.device)
-        self._count(path, native, f"{reason}; single pass {why_not}" if reason else f"single pass {why_not}")
         outputs = {f: vals[n] for f, n in self.compiled.graph.outputs.items()}
         return finish(self.plan, outputs, raw.rows, raw.dense.device)
+
+    def _grouped_outputs(self, raw: RawBatch) -> BatchOutputs:
+        """The per-group path as plain tensors, what `BatchTraces` traces."""
+        self.calls = 0
+        dense, kjt = self._grouped(raw)
+        self._traced_calls = self.calls  # the graph makes the same kernel calls
+        return dense, kjt.values(), kjt.lengths()
 
     def _no_single_pass(self, raw: RawBatch) -> str | None:
         """Why this batch cannot take the single pass (None: it can)."""
@@ -174,7 +200,9 @@ class FusedExecutor:
     def describe(self) -> dict[str, Any]:
         pruned = sum(1 for d in self.demand.values() if d is not None) if self.prune else 0
         return {"executor": self.name, "pruned_nodes": pruned, "single_pass": self.single_pass_reason,
-                "native": self.native, "executed": self.executed.snapshot(), **self.compiled.summary()}
+                "native": self.native, "executed": self.executed.snapshot(),
+                "batch_traces": self.traces.describe() if self.traces is not None else "off",
+                **self.compiled.summary()}
 
     def _demands(self) -> tuple[dict[int, int], dict[int, int | None]]:
         """Static row widths (scalar sources) and the row prefix each node's consumers read (None: all)."""
