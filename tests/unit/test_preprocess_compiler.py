@@ -11,7 +11,7 @@ from recforge.preprocess.planning.compiler import check_layers, compile_plan, gr
 from recforge.preprocess.planning.graph import build_graph
 from recforge.preprocess.planning.milp import layers_milp
 from recforge.preprocess.planning.plan import Plan
-from recforge.preprocess.presets import load_plan
+from recforge.preprocess.presets import PRESET_PLANS, load_plan, preset_dataset
 
 FLOAT_OPS = [("logit", {}), ("boxcox", {"lambda": 0.5}), ("clamp", {"lo": -1.0, "hi": 9.0})]
 ID_OPS = [("sigrid_hash", {"M": 97}), ("clamp", {"lo": 0, "hi": 50}), ("firstx", {"X": 1}), ("mapid", {"map": [2, 1]})]
@@ -179,3 +179,24 @@ def test_groups_cover_every_node_once_and_follow_layers():
     assert s["launches"] == len(c.groups) and s["method"] == "milp" and s["graph"]["nodes"] == len(c.graph.nodes)
     with pytest.raises(ValueError, match="method"):
         compile_plan(NON_CHAIN, "annealing")
+
+
+@pytest.mark.parametrize("name", PRESET_PLANS)
+def test_features_of_equals_a_walk_down_the_children(name):
+    """features_of (one walk up from every output, kept) against the plain walk down from the node."""
+    g = compile_plan(load_plan(name, preset_dataset(name))).graph
+
+    def below(node: int) -> list[str]:
+        seen, todo = set(), [node]
+        while todo:
+            n = todo.pop()
+            seen.add(n)
+            todo.extend(g.children.get(n, []))
+        return [f for f, n in g.outputs.items() if n in seen]
+
+    for n in g.nodes:
+        assert g.features_of(n.id) == below(n.id)
+    assert g.features_of(len(g.nodes) + 5) == []
+    got = g.features_of(g.nodes[0].id)
+    got.append("not a feature")  # a copy: the kept map is not changed through it
+    assert "not a feature" not in g.features_of(g.nodes[0].id)

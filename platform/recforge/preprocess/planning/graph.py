@@ -46,6 +46,8 @@ class OpGraph:
     nodes: list[Node]
     outputs: dict[str, int]  # feature name -> the node giving its final values
     children: dict[int, list[int]] = field(default_factory=dict)
+    _through: tuple[tuple[int, int], dict[int, list[str]]] | None = field(default=None, init=False, repr=False,
+                                                                          compare=False)
 
     def edges(self) -> list[tuple[int, int]]:
         return [(n.parent, n.id) for n in self.nodes if n.parent is not None]
@@ -59,13 +61,18 @@ class OpGraph:
         return 1 + max(self.height(k) for k in kids) if kids else 0
 
     def features_of(self, node: int) -> list[str]:
-        """Features whose chains pass through `node`."""
-        below, todo = set(), [node]
-        while todo:
-            n = todo.pop()
-            below.add(n)
-            todo.extend(self.children.get(n, []))
-        return [f for f, n in self.outputs.items() if n in below]
+        """Features whose chains pass through `node`, in `outputs` order."""
+        size = (len(self.nodes), len(self.outputs))
+        if self._through is None or self._through[0] != size:  # built once per graph (a graph is not edited)
+            parents = {n.id: n.parent for n in self.nodes}
+            through: dict[int, list[str]] = {}
+            for f, n in self.outputs.items():  # every node on the feature's chain, walking up to its root
+                cur: int | None = n
+                while cur is not None:
+                    through.setdefault(cur, []).append(f)
+                    cur = parents.get(cur)
+            self._through = (size, through)
+        return list(self._through[1].get(node, []))
 
     def summary(self) -> dict[str, Any]:
         return {
