@@ -8,11 +8,15 @@ as one TorchScript graph, and a ScriptFunction called from Python runs with the 
 (torch/csrc/jit/python). Values are the per-group path's: the same ops on the same inputs.
 
 A shape is traced the `after`-th time it is seen (default the second), so a one-off row count (an epoch's last, short
-batch) runs the per-group path instead of paying for a trace. At most `capacity` traces are kept, least recently used
-first out. Design: docs/rap.md#a-whole-batch-in-one-call.
+batch) runs the per-group path instead of paying for a trace (a few hundred ms: the trace and the graph's first,
+profiling run). At most `capacity` traces are kept, least recently used first out; an evicted shape must be seen
+`after` times again, and after `budget` traces in all no new shape is traced, so shapes that keep rotating cannot make
+every batch pay for a trace. A trace that fails is logged and its shape runs the per-group path from then on.
+Design: docs/rap.md#a-whole-batch-in-one-call.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import warnings
@@ -24,6 +28,8 @@ import torch
 from torch import Tensor
 
 from recforge.preprocess.batch import RawBatch
+
+log = logging.getLogger(__name__)
 
 # (dense, KJT values, KJT lengths) of a batch
 BatchOutputs = tuple[Tensor, Tensor, Tensor]
@@ -40,12 +46,16 @@ class BatchTraces:
     kernels the executor's groups call). `body(raw)` is the per-group path to trace; it must give (dense, values,
     lengths) and use only the raw batch's tensors as inputs."""
 
-    def __init__(self, body: Callable[[RawBatch], BatchOutputs], after: int = 2, capacity: int = 4) -> None:
-        if after < 1 or capacity < 1:
-            raise ValueError(f"BatchTraces: after and capacity must be >= 1, got after={after}, capacity={capacity}")
-        self.body, self.after, self.capacity = body, after, capacity
+    def __init__(self, body: Callable[[RawBatch], BatchOutputs], after: int = 2, capacity: int = 4,
+                 budget: int | None = None) -> None:
+        budget = 8 * capacity if budget is None else budget
+        if after < 1 or capacity < 1 or budget < 0:
+            raise ValueError(f"BatchTraces: after and capacity must be >= 1 and budget >= 0, got after={after}, "
+                             f"capacity={capacity}, budget={budget}")
+        self.body, self.after, self.capacity, self.budget = body, after, capacity, budget
         self._graphs: OrderedDict[tuple, Any] = OrderedDict()
         self._seen: Counter[tuple] = Counter()
+        self._failed: dict[tuple, str] = {}  # shape -> why its trace failed (it runs the per-group path)
         self._lock = threading.Lock()
         self.traced = 0  # traces made (evicted ones included)
         self.seconds = 0.0  # time inside traced calls (the GIL released), every batch
@@ -57,27 +67,37 @@ class BatchTraces:
 
     def run(self, raw: RawBatch, variant: object = None) -> BatchOutputs | None:
         """The batch through its traced graph, tracing it when its shape has been seen `after` times; None when
-        the batch is not traced (yet): the caller runs the per-group path."""
+        the batch is not traced (yet, or ever): the caller runs the per-group path."""
         if not traceable(raw):
             return None
         key = self.key(raw, variant)
         with self._lock:
             graph = self._graphs.get(key)
             if graph is None:
+                if key in self._failed or self.traced >= self.budget:
+                    return None
                 if len(self._seen) > 64 * self.capacity:  # many one-off shapes: forget them
                     self._seen.clear()
                 self._seen[key] += 1
                 if self._seen[key] < self.after:
                     return None
-                graph = self._trace(raw)
+                try:
+                    graph = self._trace(raw)
+                except Exception as e:  # noqa: BLE001 (any tracer failure: the per-group path still runs the batch)
+                    self._failed[key] = f"{type(e).__name__}: {e}"
+                    log.warning("batch trace failed for rows=%d (%s); this shape runs group by group", raw.rows, e)
+                    return None
                 self._graphs[key] = graph
                 self.traced += 1
                 while len(self._graphs) > self.capacity:
-                    self._graphs.popitem(last=False)
+                    evicted, _ = self._graphs.popitem(last=False)
+                    self._seen.pop(evicted, None)  # seen `after` times again before it is traced again
             self._graphs.move_to_end(key)
         t0 = time.perf_counter()
         out = graph(raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid)
-        self.seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self.seconds += dt
         return out
 
     def _trace(self, raw: RawBatch) -> Any:
@@ -87,10 +107,20 @@ class BatchTraces:
             return self.body(RawBatch(label=label, dense=dense, dense_valid=dense_valid, sparse=sparse,
                                       sparse_valid=sparse_valid))
 
+        inputs = (raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the row count is a constant: traced per count
-            return torch.jit.trace(batch, (raw.dense, raw.dense_valid, raw.sparse, raw.sparse_valid),
-                                   check_trace=False)
+            # shapes and parameters are constants of the trace (tests/unit/test_preprocess_batch_trace.py checks that
+            # no warning names anything else for every op)
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            graph = torch.jit.trace(batch, inputs, check_trace=False)
+        graph(*inputs)  # the graph's first run profiles it (several times a warm run): paid here, with the trace
+        return graph
 
     def describe(self) -> dict[str, Any]:
-        return {"traced": self.traced, "kept": len(self._graphs), "after": self.after, "capacity": self.capacity}
+        out: dict[str, Any] = {"traced": self.traced, "kept": len(self._graphs), "after": self.after,
+                               "capacity": self.capacity}
+        if self.traced >= self.budget:
+            out["stopped"] = f"{self.traced} shapes traced: the budget of {self.budget}; new shapes run group by group"
+        if self._failed:
+            out["failed"] = sorted(set(self._failed.values()))
+        return out

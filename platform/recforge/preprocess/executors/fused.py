@@ -11,6 +11,7 @@ Design: docs/rap.md#the-fusion-milp-and-the-fused-executor.
 from __future__ import annotations
 
 import importlib.util
+import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -115,7 +116,7 @@ class FusedExecutor:
         self._sources = sources(dataset)
         self._tables: dict[tuple[int, str], Tensor] = {}  # (group index, device) -> flat borders / map table
         self._plans: dict[tuple, list] = {}  # (group, device) -> [(member indices, call)] of an elementwise group
-        self.calls = 0  # op calls made by the last batch
+        self._local = threading.local()  # `calls` per thread: an executor may run on the trainer and a co-run thread
         self.traces = BatchTraces(self._grouped_outputs) if trace_batches else None
         self._traced_calls = 0
         self._chain: ChainProgram | None = None
@@ -128,6 +129,15 @@ class FusedExecutor:
                 self.single_pass_reason = "every feature keeps one value per row from a scalar column"
             except NotChainable as e:
                 self.single_pass_reason = f"off: {e}"
+
+    @property
+    def calls(self) -> int:
+        """Kernel calls made by this thread's last batch (a traced batch: the calls its graph makes)."""
+        return getattr(self._local, "calls", 0)
+
+    @calls.setter
+    def calls(self, n: int) -> None:
+        self._local.calls = n
 
     @torch.no_grad()
     def __call__(self, raw: RawBatch) -> tuple[Tensor, KeyedJaggedTensor]:
