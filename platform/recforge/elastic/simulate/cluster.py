@@ -162,6 +162,15 @@ class Cluster:
             lim = min(lim, self._limm.limit(m, self.version))
         return lim
 
+    def over_limit(self, c: float, m: float, n: int) -> bool:
+        """`n > fit_limit(c, m)`, the memory bound read only when the core bound lets `n` through (a scheduling
+        pass's waiting jobs share a few core sizes, each bound once per version, but have distinct memory sizes)."""
+        if not self.bound:
+            return False
+        if c > 0 and n > self._limc.limit(c, self.version):
+            return True
+        return m > 0 and n > self._limm.limit(m, self.version)
+
     @property
     def capacity_cpu(self) -> float:
         return self.spec.nodes * self.spec.cpu_per_node
@@ -186,7 +195,7 @@ class Cluster:
             (c0, m0), n0 = pods[0], len(pods)
             if self.refuses(c0, m0, n0):
                 return None  # (the checks below, without building the groups: most placements tried fail here)
-            groups[pods[0]] = list(range(len(pods)))
+            return self._place_one_shape(c0, m0, n0)
         else:
             for i, pm in enumerate(pods):
                 groups.setdefault(pm, []).append(i)
@@ -220,6 +229,25 @@ class Cluster:
         self.free_mem_total -= tm
         return where
 
+    def _place_one_shape(self, c: float, m: float, n: int) -> list[int] | None:
+        """`place`'s loop for `n` identical pods that `refuses` let through (so its totals and bound checks pass: they
+        are the same comparisons): one group, the same nodes, counts, updates and totals."""
+        cand, cap = self._first_fit(c, m, n, self._start)
+        if not len(cand):
+            return None
+        cum = np.cumsum(cap)
+        if cum[-1] < n:
+            return None
+        last = int(np.searchsorted(cum, n))  # the first nodes in order hold them all
+        nodes, k = cand[: last + 1], cap[: last + 1].copy()
+        k[-1] -= int(cum[last]) - n
+        self._change(nodes, -c * k, -m * k)
+        where = np.repeat(nodes, k).tolist()
+        self._start = int(nodes[-1])
+        self.free_cpu_total -= 0.0 + c * n  # (what `sum` of the one group's c * n gives: 0.0 + c * n)
+        self.free_mem_total -= 0.0 + m * n
+        return where
+
     def _first_fit(self, c: float, m: float, n: int, start: int) -> tuple[np.ndarray, np.ndarray]:
         """The nodes a (c cores, m bytes) pod fits on, in packing order (from `start` round to it), and how many of
         `n` such pods each holds, far enough along that order to hold all `n` (or every such node when they
@@ -239,13 +267,19 @@ class Cluster:
                 hi = min(lo + size, hi0)
                 size *= 2
                 sc, sm = fc[lo:hi], fm[lo:hi]
-                cand = np.flatnonzero((sc >= c - 1e-9) & (sm >= m - 1e-3))
+                cand = ((sc >= c - 1e-9) & (sm >= m - 1e-3)).nonzero()[0]  # (np.flatnonzero of a 1-d array)
                 if len(cand):
-                    cap = np.full(len(cand), n, dtype=np.int64)
+                    # min(n, cores' count, memory's count): the same integers, fewer numpy calls
                     if c > 0:
-                        cap = np.minimum(cap, ((sc[cand] + 1e-9) // c).astype(np.int64))
-                    if m > 0:
-                        cap = np.minimum(cap, ((sm[cand] + 1e-3) // m).astype(np.int64))
+                        cap = ((sc[cand] + 1e-9) // c).astype(np.int64)
+                        if m > 0:
+                            np.minimum(cap, ((sm[cand] + 1e-3) // m).astype(np.int64), out=cap)
+                        np.minimum(cap, n, out=cap)
+                    elif m > 0:
+                        cap = ((sm[cand] + 1e-3) // m).astype(np.int64)
+                        np.minimum(cap, n, out=cap)
+                    else:
+                        cap = np.full(len(cand), n, dtype=np.int64)
                     cands.append(cand + lo)
                     caps.append(cap)
                     held += int(cap.sum())

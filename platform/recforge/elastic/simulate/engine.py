@@ -16,6 +16,7 @@ import gc
 import hashlib
 import heapq
 import math
+import struct
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -29,6 +30,9 @@ from recforge.elastic.simulate.trace import TraceJob
 
 GiB = float(1 << 30)
 ARRIVE, TICK, RESUME, FINISH, OOM, EVICT, PENDING_CHECK, REALLOC = range(8)
+_TWO_U32 = struct.Struct("<II").unpack  # `_noise`: a digest's two 4-byte halves as little-endian integers
+_TWO_PI = 2 * math.pi
+_NO_TOTALS, _NO_OOM_AT = (None, 0.0, 0.0), (None, 0.0)  # `JobRun.totals` / `oom_at` before a plan is read
 GC_GEN0 = 100_000  # `Simulation.run`'s garbage-collector threshold (Python's default: 700 new objects)
 
 
@@ -82,6 +86,8 @@ class JobRun:
     fail_reason: str = ""
     rate_at: tuple = (None, 0.0, 0.0, 0.0)  # (plan, slowdown, rate, cores busy): a TorchRec job's rate moves with those
     noise_at: tuple = (-1, 1.0)  # (tick, noise) of the last measurement: the loss and the report share one hash
+    totals: tuple = _NO_TOTALS  # (plan, its cpu_total, its memory_total), `_advance`'s
+    oom_at: tuple = _NO_OOM_AT  # (plan, the samples at which a TorchRec worker's shard outgrows it), `_set_rate`'s
     sched: tuple | None = None  # `_sched_numbers(plan)` of the plan a scheduling pass last read (None: none yet)
 
 
@@ -182,6 +188,7 @@ class Simulation:
 
     def _end(self, r: JobRun, status: str, t: float, why: str = "") -> None:
         r.status, r.fail_reason, r.finish = status, why, t
+        r.totals, r.oom_at = _NO_TOTALS, _NO_OOM_AT  # (caches of a running job: not kept for every ended one)
         self.n_ended += 1
         self.live.pop(r.job.job_id, None)
 
@@ -198,10 +205,13 @@ class Simulation:
         dt = t - r.t_last
         if dt > 0 and r.status == "running":
             r.done = min(r.job.total_samples, r.done + r.rate * dt)
+            p, tot = r.plan, r.totals
+            if tot[0] is not p:  # (the plan's cores and memory in all, read once per plan: Optimus advances every
+                tot = r.totals = (p, p.cpu_total, p.memory_total)  # running job every round)
             a = self.acc
-            a["alloc_cpu_s"] += r.plan.cpu_total * dt
+            a["alloc_cpu_s"] += tot[1] * dt
             a["used_cpu_s"] += r.used_cpu * dt
-            a["alloc_mem_s"] += r.plan.memory_total * dt
+            a["alloc_mem_s"] += tot[2] * dt
             a["used_mem_s"] += r.used_mem * dt
         r.t_last = t
 
@@ -252,9 +262,14 @@ class Simulation:
         left = j.total_samples - r.done
         t_finish = t + left / rate if rate > 0 else math.inf
         if j.shape == "torchrec":  # the most loaded worker's shard grows until it passes the pod's memory
-            g = j.emb_growth_per_sample * truth.SHARD_SKEW / p.workers
-            room = p.memory_per_worker - truth.tr_worker_memory(j.worker_mem, j.emb_bytes, p.workers)
-            oom_at = math.inf if g <= 0 else room / g
+            o = r.oom_at
+            if o[0] is p:  # (a function of the job and the plan only: computed once per plan)
+                oom_at = o[1]
+            else:
+                g = j.emb_growth_per_sample * truth.SHARD_SKEW / p.workers
+                room = p.memory_per_worker - truth.tr_worker_memory(j.worker_mem, j.emb_bytes, p.workers)
+                oom_at = math.inf if g <= 0 else room / g
+                r.oom_at = (p, oom_at)
         else:
             oom_at = truth.samples_until_server_oom(j.emb_bytes, j.emb_growth_per_sample, p.servers, j.hot_server,
                                                     p.memory_per_server)
@@ -290,9 +305,10 @@ class Simulation:
         if r.noise_at[0] == r.ticks:
             return r.noise_at[1]
         h = hashlib.blake2b(f"{self.seed},{r.job.job_id},{r.ticks}".encode(), digest_size=8).digest()
-        u1 = (int.from_bytes(h[:4], "little") + 0.5) / 2**32
-        u2 = int.from_bytes(h[4:], "little") / 2**32
-        v = math.exp(self.params.noise * math.sqrt(-2.0 * math.log(u1)) * math.cos(2 * math.pi * u2))
+        lo, hi = _TWO_U32(h)  # (the two little-endian halves `int.from_bytes` reads)
+        u1 = (lo + 0.5) / 2**32
+        u2 = hi / 2**32
+        v = math.exp(self.params.noise * math.sqrt(-2.0 * math.log(u1)) * math.cos(_TWO_PI * u2))
         r.noise_at = (r.ticks, v)
         return v
 
@@ -392,10 +408,8 @@ class Simulation:
         misses, most = 0, self.params.max_failed_placements
         runs = self.runs
         # `Cluster.refuses(c, m, n)` inline: c * n and m * n against the free totals, n against the bucket bound of the
-        # pod shape (`Cluster.fit_limit`, read once per shape and cluster version)
-        limits: dict[tuple[float, float], float] = {}
-        ver = cl.version
-        fit_limit = cl.fit_limit
+        # pod shape (`Cluster.over_limit`: `n > fit_limit(c, m)`, each bound kept per pod size and cluster version)
+        over_limit = cl.over_limit
         for jid in sorted([k[1] for k in self.pending[:n]]):
             r = runs[jid]
             if r.status != "pending":
@@ -409,12 +423,7 @@ class Simulation:
             if cpu_total > free_c or c > big_c or m > big_m or workers >= failed.get(shape, math.inf):
                 continue
             if not servers:
-                if cl.version != ver:  # (a placement tried and undone also moves the version: read the bounds again)
-                    limits, ver = {}, cl.version
-                lim = limits.get((c, m))
-                if lim is None:
-                    lim = limits[(c, m)] = fit_limit(c, m)
-                refused = c * workers > free_c or m * workers > free_m or workers > lim
+                refused = c * workers > free_c or m * workers > free_m or over_limit(c, m, workers)
             else:
                 refused = False
             if refused:
@@ -489,10 +498,15 @@ class Simulation:
             order = sorted(active, key=lambda r: (target.get(r.job.job_id, r.plan.workers) - r.plan.workers,
                                                   r.job.job_id))
             for r in order:
-                w = target.get(r.job.job_id, r.plan.workers)
-                if w == r.plan.workers or w < 1:
+                p = r.plan
+                w = target.get(r.job.job_id, p.workers)
+                if w == p.workers or w < 1:
                     continue
-                new = replace(r.plan, workers=int(w))
+                # (`replace(p, workers=int(w))`: the same fields through the class's __init__, without replace's
+                # per-field reflection)
+                new = type(p)(workers=int(w), cpu_per_worker=p.cpu_per_worker, memory_per_worker=p.memory_per_worker,
+                              batch_size=p.batch_size, servers=p.servers, cpu_per_server=p.cpu_per_server,
+                              memory_per_server=p.memory_per_server)
                 if r.status == "running":
                     if self._resize(r, new, t):
                         r.plan_changes += 1

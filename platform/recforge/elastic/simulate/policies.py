@@ -213,6 +213,9 @@ def fit_convergence_many(ks: list, losses: list, grid: int = 32) -> list[tuple[f
             by_n.setdefault(len(k), []).append(i)
     steps = _ARANGE[:grid]
     for n, idx_all in by_n.items():
+        # one curves x grid x points buffer per length: every elementwise step below writes into it (`out=`), the
+        # same operations in the same order as `fit_convergence`, without a new 0.5 MB temporary per step
+        buf = np.empty((min(len(idx_all), _MANY_CHUNK), grid, n))
         for c0 in range(0, len(idx_all), _MANY_CHUNK):
             idx = idx_all[c0:c0 + _MANY_CHUNK]
             K = np.array([ks[i] for i in idx], float)
@@ -226,13 +229,19 @@ def fit_convergence_many(ks: list, losses: list, grid: int = 32) -> list[tuple[f
             b2s = steps[None, :] * (top / (grid - 1))[:, None]  # (np.linspace's grid per curve, as above)
             b2s[:, -1] = top
             col = b2s[:, :, None]
-            y = 1.0 / (L[:, None, :] - col)  # curves x grid x points
+            a = buf[:len(idx)]
+            y = np.divide(1.0, np.subtract(L[:, None, :], col, out=a), out=a)  # curves x grid x points
             km, ym = K.sum(axis=1) / n, y.sum(axis=2) / n
             dk = K - km[:, None]
-            b0 = np.maximum((dk[:, None, :] * (y - ym[:, :, None])).sum(axis=2) / (dk * dk).sum(axis=1)[:, None], 0.0)
+            t = np.multiply(dk[:, None, :], np.subtract(y, ym[:, :, None], out=a), out=a)  # (y is not read again)
+            b0 = np.maximum(t.sum(axis=2) / (dk * dk).sum(axis=1)[:, None], 0.0)
             b1 = np.maximum(ym - b0 * km[:, None], 1e-9)
-            r = 1.0 / (b0[:, :, None] * K[:, None, :] + b1[:, :, None]) + col - L[:, None, :]
-            best = np.argmin((r * r).sum(axis=2), axis=1)
+            r = np.multiply(b0[:, :, None], K[:, None, :], out=a)  # r = 1 / (b0 * k + b1) + b2 - loss
+            np.add(r, b1[:, :, None], out=r)
+            np.divide(1.0, r, out=r)
+            np.add(r, col, out=r)
+            np.subtract(r, L[:, None, :], out=r)
+            best = np.argmin(np.multiply(r, r, out=r).sum(axis=2), axis=1)
             rows = np.arange(len(idx))
             fb0, fb1, fb2 = b0[rows, best].tolist(), b1[rows, best].tolist(), b2s[rows, best].tolist()
             for j, i in enumerate(idx):
@@ -277,10 +286,29 @@ class _OptimusJob:
             return
         self.memory_known = True
         base = max(peak - embedding_shard_bytes(self.tables, workers), 0.0)
+        desc = sorted(self.tables, reverse=True)  # (`_shard_of_sorted`: the tables sorted and checked once, not per w)
+        finite = all(math.isfinite(b) for b in desc)
         w = 1
-        while w < self.max_w and base + 1.2 * embedding_shard_bytes(self.tables, w) > 0.9 * self.mem:
+        while w < self.max_w and base + 1.2 * _shard_of_sorted(desc, w, finite) > 0.9 * self.mem:
             w += 1
         self.min_w = w
+
+
+def _shard_of_sorted(desc: list[float], workers: int, finite: bool) -> float:
+    """`embedding_shard_bytes(tables, workers)` of tables already sorted largest first (`finite`: all their sizes
+    are): its heap placement, the same sums in the same order; otherwise `embedding_shard_bytes` itself."""
+    if workers < 1 or not finite:
+        return embedding_shard_bytes(desc, workers)
+    if workers == 1:  # (the heap's one worker takes every table: the same sums, in the same order)
+        load = 0.0
+        for b in desc:
+            load = load + b
+        return load
+    heap = [(0.0, i) for i in range(workers)]
+    for b in desc:
+        load, i = heap[0]
+        heapq.heapreplace(heap, (load + b, i))
+    return max(load for load, _ in heap)
 
 
 def _tr_coef(st: _OptimusJob, mod: ThroughputModel) -> list[float]:
@@ -301,22 +329,35 @@ class OptimusAllocator:
     def allocate(jobs: list[dict], cpu_total: float, mem_total: float) -> dict[int, int]:
         """jobs: dicts with id, min_w, max_w, cpu, mem, remaining (samples), thr (samples/s at w = index + 1:
         array of max_w values). Returns workers per job id (0: no room for its minimum)."""
+        return OptimusAllocator.allocate_rows(
+            [(j["id"], j["min_w"], j["max_w"], j["cpu"], j["mem"], j["remaining"], j["thr"]) for j in jobs],
+            cpu_total, mem_total)
+
+    @staticmethod
+    def allocate_rows(jobs: list[tuple], cpu_total: float, mem_total: float) -> dict[int, int]:
+        """`allocate` on tuples (id, min_w, max_w, cpu, mem, remaining, thr), in priority order: the same greedy,
+        `gain`'s arithmetic inline on the same floats (the greedy pops ~200 workers a job at 100k jobs; Optimus's
+        round builds these tuples directly, no dict per job)."""
         free_c, free_m = cpu_total, mem_total
         out: dict[int, int] = {}
         heap: list[tuple[float, int, int]] = []
-        # each job's numbers as a tuple, read from its dict once (the greedy pops ~200 workers a job at 100k jobs):
-        # (id, cpu, mem, max_w, thr, remaining, share); `gain`'s arithmetic inline below, on the same floats
+        # per job (id, cpu, mem, max_w, thr, remaining, share), read by the greedy below
         rows: list[tuple] = []
-        for i, j in enumerate(jobs):  # in priority order (running first, then by arrival)
-            c, m = j["cpu"], j["mem"]
-            rows.append((j["id"], c, m, j["max_w"], j["thr"], j["remaining"], max(c / cpu_total, m / mem_total)))
-            need_c, need_m = j["min_w"] * c, j["min_w"] * m
+        for i, (jid, min_w, max_w, c, m, rem, thr) in enumerate(jobs):  # (running first, then by arrival)
+            share = max(c / cpu_total, m / mem_total)
+            rows.append((jid, c, m, max_w, thr, rem, share))
+            need_c, need_m = min_w * c, min_w * m
             if need_c > free_c + 1e-9 or need_m > free_m + 1e-3:
-                out[j["id"]] = 0
+                out[jid] = 0
                 continue
             free_c, free_m = free_c - need_c, free_m - need_m
-            out[j["id"]] = j["min_w"]
-            heapq.heappush(heap, (-OptimusAllocator.gain(j, j["min_w"], cpu_total, mem_total), i, j["min_w"]))
+            out[jid] = min_w
+            if min_w >= max_w:  # `gain(job, min_w)`
+                g = 0.0
+            else:
+                now, nxt = thr[min_w - 1], thr[min_w]
+                g = rem * (1.0 / now - 1.0 / nxt) / share if now > 0 and nxt > 0 else 0.0
+            heapq.heappush(heap, (-g, i, min_w))
         pop, push = heapq.heappop, heapq.heappush
         while heap:
             neg, i, w = pop(heap)
@@ -378,7 +419,7 @@ class OptimusPolicySim(SimPolicy):
             if st.alloc_of is not plan or alloc is None:  # (one Allocation per plan: its samples share it, frozen)
                 st.alloc_of, st.alloc = plan, (alloc := plan.allocation())
             st.model.add(Sample(alloc, float(samples_per_s)), refit=False)
-            if worker_memory is not None:
+            if worker_memory is not None and not st.memory_known:  # (`learn_memory` does nothing once it is known)
                 st.learn_memory(plan.workers, worker_memory)
 
     def on_loss(self, job, k: float, loss: float) -> None:
@@ -451,17 +492,18 @@ class OptimusPolicySim(SimPolicy):
         # (as python floats: the greedy's arithmetic on them is numpy's float64 arithmetic, without its scalar
         # overhead)
         thr = (ws[None, :] * b[:, None] / np.maximum(step, 1e-12)).tolist()
-        jobs = [{"id": r.job.job_id, "min_w": st.min_w, "max_w": st.max_w, "cpu": st.cpu, "mem": st.mem,
-                 "remaining": self.remaining_samples(st, r.done), "thr": thr[i]}
-                for i, (r, st, _) in enumerate(rows)]
-        out = OptimusAllocator.allocate(jobs, cluster.capacity_cpu, cluster.capacity_memory)
-        for (r, st, _), j in zip(rows, jobs, strict=True):
-            w_new, w_old = out[j["id"]], r.plan.workers
-            if r.status != "running" or w_new == w_old or w_new < 1 or w_old > j["max_w"] or w_old < st.min_w:
+        remaining = self.remaining_samples
+        jobs = [(r.job.job_id, st.min_w, st.max_w, st.cpu, st.mem, remaining(st, r.done), th)
+                for (r, st, _), th in zip(rows, thr, strict=True)]
+        out = OptimusAllocator.allocate_rows(jobs, cluster.capacity_cpu, cluster.capacity_memory)
+        min_change = self.min_change_s
+        for (r, st, _), (jid, _, max_w, _, _, rem, th) in zip(rows, jobs, strict=True):
+            w_new, w_old = out[jid], r.plan.workers
+            if r.status != "running" or w_new == w_old or w_new < 1 or w_old > max_w or w_old < st.min_w:
                 continue
-            t_old, t_new = j["remaining"] / j["thr"][w_old - 1], j["remaining"] / j["thr"][w_new - 1]
-            if abs(t_old - t_new) < self.min_change_s:
-                out[j["id"]] = w_old
+            t_old, t_new = rem / th[w_old - 1], rem / th[w_new - 1]
+            if abs(t_old - t_new) < min_change:
+                out[jid] = w_old
         return out
 
 

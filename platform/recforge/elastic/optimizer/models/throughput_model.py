@@ -509,6 +509,7 @@ class OnlineThroughputModel:
         self._mat = np.empty((0, 8))
         self._lo = self._hi = 0
         self._mat_for: list[tuple] | None = None
+        self._row_of: tuple = (None, None, None)  # (allocation, its `row_values`, its `_config_key`): `add`'s last
         self.model: ThroughputModel | None = prior
         self.status = "prior" if prior is not None else "no model"
         self._since = 0
@@ -527,19 +528,25 @@ class OnlineThroughputModel:
         """Record a sample; True when the model was refitted (`refit=False`: the caller refits when it decides)."""
         if not (sample.samples_per_s > 0 and math.isfinite(sample.samples_per_s)):
             return False  # a stalled interval (restart, pending) says nothing about throughput
-        in_step = self._counted is self.samples and self._counted_n == len(self.samples)
-        pp_in_step = self._pp_for is self.samples and len(self._pp) == len(self.samples)
+        samples = self.samples
+        n = len(samples)
+        in_step = self._counted is samples and self._counted_n == n
+        pp_in_step = self._pp_for is samples and len(self._pp) == n
         mat_in_step = pp_in_step and self._mat_for is self._rows and self._hi - self._lo == len(self._rows)
-        self.samples.append(sample)
+        samples.append(sample)
+        a = sample.allocation
+        ro = self._row_of
+        if ro[0] is not a:  # (a policy reports many samples of one frozen Allocation: its row and key read once)
+            ro = self._row_of = (a, row_values(a), _config_key(a))
         if pp_in_step:
             self._pp.append(None)
-            row = row_values(sample.allocation)
+            row = ro[1]
             self._rows.append(row)
             self._thr.append(sample.samples_per_s)
             if mat_in_step:
                 self._push_row((*row, sample.samples_per_s, sample.weight))
         if in_step:
-            k = _config_key(sample.allocation)
+            k = ro[2]
             self._configs[k] = self._configs.get(k, 0) + 1
         if len(self.samples) > self.max_samples:
             dropped = self.samples[:-self.max_samples]
