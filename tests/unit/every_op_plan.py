@@ -14,8 +14,9 @@ DS = DatasetConfig(
 )
 
 
-def f(name, kind, source, *ops):
-    return {"name": name, "kind": kind, "source": source, "ops": [{"op": o, "params": p} for o, p in ops]}
+def f(name, kind, source, *ops, **extra):
+    """A plan feature: `ops` as (op, params) pairs; `extra` more of the feature's fields."""
+    return {"name": name, "kind": kind, "source": source, "ops": [{"op": o, "params": p} for o, p in ops], **extra}
 
 
 EVERY_OP = Plan.model_validate({"name": "every_op", "features": [

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from every_op_plan import f
 from recforge.config import DatasetConfig, DenseFeature, MultiHotFeature, SparseFeature
 from recforge.preprocess.batch import RawBatch
 from recforge.preprocess.columns import BatchError
@@ -32,10 +33,6 @@ DS = DatasetConfig(
     dense=[DenseFeature(name=f"I{i}") for i in (1, 2, 3)],
     sparse=[SparseFeature(name=f"C{i}", cardinality=c) for i, c in zip((1, 2, 3, 4), (50, 7, 100_000, 3), strict=True)],
 )
-
-
-def f(name, kind, source, *ops, **extra):
-    return {"name": name, "kind": kind, "source": source, "ops": [{"op": o, "params": p} for o, p in ops], **extra}
 
 
 ALL_OPS = Plan.model_validate({"name": "all_ops", "features": [

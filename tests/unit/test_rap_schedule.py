@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from every_op_plan import f as _f
 from recforge.config import DatasetConfig, DenseFeature, SparseFeature
 from recforge.preprocess.columns import finish
 from recforge.preprocess.executors.fused import FusedExecutor
@@ -28,10 +29,6 @@ DS = DatasetConfig(
     dense=[DenseFeature(name=f"I{i}") for i in (1, 2, 3)],
     sparse=[SparseFeature(name=f"C{i}", cardinality=c) for i, c in zip((1, 2, 3), (50, 70, 1000), strict=True)],
 )
-
-
-def _f(name, kind, source, *ops):
-    return {"name": name, "kind": kind, "source": source, "ops": [{"op": o, "params": p} for o, p in ops]}
 
 
 # C1a and C1b share fill_null -> sigrid_hash of C1 (one node each), then differ.
