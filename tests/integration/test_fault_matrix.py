@@ -10,13 +10,15 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_an_mlflow_outage_delays_logging_and_nothing_is_lost_or_logged_twice(tmp_path, monkeypatch):
+def test_an_mlflow_outage_delays_logging_and_nothing_is_lost_or_logged_twice(tmp_path, monkeypatch, mlflow_db):
     from recforge.pipelines.faults import MlflowServer
     from recforge.tracking.metrics import log_metrics
     from recforge.tracking.store import TrackingStore
     from recforge.train.metrics_sink import AsyncMetricsSink
 
     monkeypatch.setenv("RECFORGE_MLFLOW_WAIT_S", "120")
+    # the server's store, a copy of the migrated template: a new store would run every MLflow migration at its start
+    mlflow_db(tmp_path / "mlflow" / "mlflow.db")
     server = MlflowServer(tmp_path / "mlflow")
     server.start()
     try:
@@ -29,7 +31,7 @@ def test_an_mlflow_outage_delays_logging_and_nothing_is_lost_or_logged_twice(tmp
         sink = AsyncMetricsSink(log_metrics, server.uri, run_id)
 
         server.stop()
-        outage = server.outage(after_s=0.0, down_s=3.0)  # already down; start again in 3 s
+        outage = server.outage(after_s=0.0, down_s=1.0)  # already down; starting again in 1 s (and the start's seconds)
         for step in range(6, 11):  # the worker keeps training: its metrics queue up
             sink({"train_loss": 1.0 / step}, step)
         store.log_metrics(run_id, {"rows": 123.0}, step=0)  # made while the server is down: it waits for it

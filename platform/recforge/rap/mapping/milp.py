@@ -13,8 +13,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import lil_matrix
 
 from recforge.preprocess.planning.graph import Node, OpGraph
 from recforge.preprocess.planning.plan import Plan
@@ -122,6 +120,10 @@ class MappingResult:
 def solve(tables: Sequence[TableLoad], costs: MappingCosts, time_limit_s: float = 30.0) -> MappingResult:
     """MILP: x[t,p] one placement per table; u_r >= prep_r - capacity_r, u_r >= 0; z >= train_r + u_r; memory;
     minimize z (+ 1e-6 * sum u: among equal maxima, hide more)."""
+    # lazy: scipy.optimize is ~0.5 s of every training rank's start-up (the workers import this module for Placement)
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import lil_matrix
+
     w = costs.world_size
     if len(costs.capacity_ms) != w:
         raise MappingError(f"capacity_ms has {len(costs.capacity_ms)} ranks, world_size is {w}")
