@@ -166,7 +166,7 @@ wait_api_server() {
     while ((SECONDS < deadline)); do
         running api-server || { log_tail api-server; die "api-server exited during startup (make down, fix, make up)"; }
         curl -fsS --max-time 5 "$AIRFLOW_URL/api/v2/monitor/health" >/dev/null 2>&1 && { say "api-server answers"; return 0; }
-        sleep 2
+        sleep 1
     done
     log_tail api-server
     die "api-server did not answer after ${TIMEOUT}s"
@@ -181,7 +181,7 @@ wait_healthy() {
         ((a)) || { airflow_healthy && a=1 && say "Airflow healthy"; } || true
         ((m)) || { mlflow_healthy && m=1 && say "MLflow healthy"; } || true
         ((a && m)) && return 0
-        sleep 2
+        sleep 1
     done
     ((a)) || { log_tail api-server; log_tail scheduler; }
     ((m)) || log_tail mlflow
@@ -194,7 +194,9 @@ up() {
     chmod 700 "$LOGS"   # the api-server log holds the generated admin password
     local name need_airflow=0
     for name in "${SERVICES[@]}"; do [[ $name == mlflow ]] || running "$name" || need_airflow=1; done
-    if ((need_airflow)); then
+    # a running api-server serves this database, migrated before it started: restarting a stopped scheduler side (a
+    # crashed scheduler) neither waits for another migrate (~5 s) nor migrates under the live api-server
+    if ((need_airflow)) && ! running api-server; then
         say "airflow db migrate (log $LOGS/db-migrate.log)"
         "$BIN/airflow" db migrate >>"$LOGS/db-migrate.log" 2>&1 || { log_tail db-migrate; die "airflow db migrate failed"; }
     fi

@@ -5,7 +5,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from e2e_services import TINY, LiveServices, running, services, start
+from e2e_services import TINY, LiveServices, artifacts_dir, running, services, start
 from recforge.pipelines.landing import land_synthetic
 
 
@@ -32,11 +32,13 @@ def live(tmp_path_factory) -> LiveServices:
         svc.unpause()
         deadline = time.monotonic() + 20  # the scheduled run the unpause creates appears within seconds
         while time.monotonic() < deadline and not svc.fail_foreign_runs():
-            time.sleep(2)
+            time.sleep(1)
         yield svc
     finally:
         svc.keep_logs("live")
         down = services("down", svc.env)
+        # what down stopped and how long it took (the session's teardown), next to the services' logs
+        (artifacts_dir() / "live" / "down.log").write_text(down.stdout + down.stderr)
         assert down.returncode == 0, down.stdout + down.stderr
         assert not list((home / "run").glob("*.pid")), "make down left pid files"
         assert not [n for n, p in pids.items() if running(p)], f"still running after down: {pids}"
