@@ -31,8 +31,7 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     n_neg = y.size - n_pos
     if n_pos == 0 or n_neg == 0:
         raise ValueError("auc needs both positive and negative labels")
-    # lazy: scipy.stats is ~0.7 s of a training rank's start-up; of the ranks only rank 0 of a tracked run calls this
-    from scipy.stats import rankdata
+    from scipy.stats import rankdata  # lazy: ~0.7 s of a rank's start-up (only a tracked rank 0 calls it)
 
     ranks = rankdata(s, method="average")
     return float((ranks[y == 1].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))

@@ -120,9 +120,8 @@ class MappingResult:
 def solve(tables: Sequence[TableLoad], costs: MappingCosts, time_limit_s: float = 30.0) -> MappingResult:
     """MILP: x[t,p] one placement per table; u_r >= prep_r - capacity_r, u_r >= 0; z >= train_r + u_r; memory;
     minimize z (+ 1e-6 * sum u: among equal maxima, hide more)."""
-    # lazy: scipy.optimize is ~0.5 s of every training rank's start-up (the workers import this module for Placement)
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import lil_matrix
+    from scipy.optimize import Bounds, LinearConstraint, milp  # lazy: ~0.5 s of a rank's start-up
+    from scipy.sparse import lil_matrix  # lazy: with scipy.optimize, off the ranks' start-up
 
     w = costs.world_size
     if len(costs.capacity_ms) != w:
