@@ -24,7 +24,9 @@ export RECFORGE_MLFLOW_ARTIFACTS=${RECFORGE_MLFLOW_ARTIFACTS:-$RECFORGE_HOME/mlf
 export AIRFLOW_HOME=${AIRFLOW_HOME:-$RECFORGE_HOME/airflow}
 export AIRFLOW__CORE__DAGS_FOLDER=${AIRFLOW__CORE__DAGS_FOLDER:-$RECFORGE_REPO/dags}
 export AIRFLOW__CORE__PLUGINS_FOLDER=${AIRFLOW__CORE__PLUGINS_FOLDER:-$RECFORGE_REPO/plugins}
-export AIRFLOW__CORE__EXECUTOR=${AIRFLOW__CORE__EXECUTOR:-LocalExecutor}
+# LocalExecutor whose workers import the task stack once; every task forked from them inherits it
+# (docs/architecture.md#task-start-up)
+export AIRFLOW__CORE__EXECUTOR=${AIRFLOW__CORE__EXECUTOR:-recforge.pipelines.task_executor.PreloadingLocalExecutor}
 export AIRFLOW__CORE__PARALLELISM=${AIRFLOW__CORE__PARALLELISM:-2}
 export AIRFLOW__CORE__LOAD_EXAMPLES=${AIRFLOW__CORE__LOAD_EXAMPLES:-False}
 export AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION=${AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION:-False}

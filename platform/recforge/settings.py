@@ -72,7 +72,7 @@ def embedded_env(home: Path | None = None) -> dict[str, str]:
         "AIRFLOW_HOME": str(airflow_home),
         "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(root / "plugins"),
-        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__EXECUTOR": "recforge.pipelines.task_executor.PreloadingLocalExecutor",
         "AIRFLOW__CORE__PARALLELISM": "2",
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
