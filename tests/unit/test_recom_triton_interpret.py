@@ -18,23 +18,46 @@ CASES = ("random layers", "row tiles", "long bags", "sigrid extremes", "value dt
          "empty batch and no columns")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_triton_embedding_kernel_matches_reference_under_the_interpreter():
+NO_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+INTERPRET_TIMEOUT_S, COMPILE_TIMEOUT_S = 300, 180
+
+
+@pytest.fixture(scope="module")
+def compile_child(tmp_path_factory):
+    """The sm90 compile child, started before the interpreter test runs (both are single-threaded children: on two
+    cores they run side by side) and collected by the compile test."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # a cold compile every run (about 10 s; over 10 min when it regressed)
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
+    child = subprocess.Popen([sys.executable, __file__, "compile"], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    yield child
+    if child.poll() is None:
+        child.kill()
+        child.communicate()
+
+
+@NO_TRITON
+def test_triton_embedding_kernel_matches_reference_under_the_interpreter(compile_child):
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                         timeout=INTERPRET_TIMEOUT_S)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-6000:]
     assert [ln[3:] for ln in res.stdout.splitlines() if ln.startswith("ok ")] == list(CASES), res.stdout
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_triton_embedding_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+@NO_TRITON
+def test_triton_embedding_kernel_compiles_for_sm90_without_a_gpu(compile_child):
     """Triton's front end, GPU passes and bundled ptxas need no driver: a kernel that the interpreter runs but the
     compiler rejects (or takes minutes on, as an unrolled 32-bag loop did) fails here."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a cold compile every run (about 10 s; over 10 min when it regressed)
-    res = subprocess.run([sys.executable, __file__, "compile"], env=env, capture_output=True, text=True, timeout=180)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-6000:]
-    assert "cubin bytes" in res.stdout, res.stdout
+    try:
+        stdout, stderr = compile_child.communicate(timeout=COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        compile_child.kill()
+        stdout, stderr = compile_child.communicate()
+        pytest.fail(f"the sm90 compile ran over {COMPILE_TIMEOUT_S} s\n{stdout[-4000:]}{stderr[-6000:]}")
+    assert compile_child.returncode == 0, stdout[-4000:] + stderr[-6000:]
+    assert "cubin bytes" in stdout, stdout
 
 
 # ---- the children: everything below runs only under `python this_file.py [compile]` ----
