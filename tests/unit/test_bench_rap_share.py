@@ -4,6 +4,7 @@ runs there as one executor call (the single pass), and kernel costs scaled to th
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -190,22 +191,24 @@ def test_the_pair_check_times_both_threads(bench, load_bench):
     assert r["step_slowdown"] == pytest.approx(r["step_beside_executor_ms"] / r["step_alone_ms"])
 
 
-def test_the_step_clock_keeps_each_step_and_the_steady_state_leaves_out_each_epochs_first(bench):
+def test_the_step_clock_keeps_each_step_and_the_steady_state_leaves_out_each_epochs_first(bench, monkeypatch):
+    now = [1000.0]  # the clock the marks read: advanced by the test only, so a busy machine cannot move it
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     clocks = []
     for first in (50.0, 70.0):  # two epochs: a slow first step (the co-run's fill), then 3 steady ones
         clock = bench.StepClock()
         for ms in (first, 10.0, 12.0, 11.0):
-            clock._t -= ms / 2e3  # half the step in data, half in forward, then coordination ends the step
+            now[0] += ms / 2e3  # half the step in data, half in forward, then coordination ends the step
             clock.mark("data")
-            clock._t -= ms / 2e3
+            now[0] += ms / 2e3
             clock.mark("forward")
             clock.mark("coordination")
         assert len(clock.steps_ms) == 4 and clock.steps == 0  # PhaseTimes' own counter is the loop's to advance
-        assert sum(clock.steps_ms[0].values()) == pytest.approx(first, abs=0.5)
+        assert sum(clock.steps_ms[0].values()) == pytest.approx(first, abs=1e-6)
         clocks.append(clock)
-    assert bench.steady_ms(clocks) == pytest.approx(11.0, abs=0.5)  # median of 10, 12, 11, 10, 12, 11
+    assert bench.steady_ms(clocks) == pytest.approx(11.0, abs=1e-6)  # median of 10, 12, 11, 10, 12, 11
     phases = bench.phase_ms(clocks)
-    assert phases["data"] == pytest.approx(5.5, abs=0.3) and phases["forward"] == pytest.approx(5.5, abs=0.3)
+    assert phases["data"] == pytest.approx(5.5, abs=1e-3) and phases["forward"] == pytest.approx(5.5, abs=1e-3)
     assert phases["backward"] == 0.0
     one = bench.StepClock()
     one.mark("coordination")

@@ -67,11 +67,13 @@ def compiled():
 
 @pytest.fixture(scope="module")
 def process_group(tmp_path_factory):
-    if not dist.is_initialized():
-        store = tmp_path_factory.mktemp("pg") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    if dist.is_initialized():  # another module's single-rank group: used, and left to it
+        yield
+        return
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
-    # left initialized: other modules of the session may use the single-rank group too
+    dist.destroy_process_group()  # a later module (in this process or an xdist worker's) may start its own
 
 
 @pytest.fixture(scope="module")

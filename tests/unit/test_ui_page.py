@@ -471,8 +471,10 @@ def test_running_run_page_shows_running_and_the_curve_so_far(site):
 
 
 def test_summarize_reads_the_failure_from_mlflow_and_the_cli_prints_it(site, monkeypatch):
+    from rich.console import Console
     from typer.testing import CliRunner
 
+    from recforge import cli
     from recforge.cli import app
 
     ctx = RunContext.create(FAILED, {}, home=site["home"])
@@ -483,7 +485,8 @@ def test_summarize_reads_the_failure_from_mlflow_and_the_cli_prints_it(site, mon
     assert s["systems"]["dlrover"]["decided"][1] == ("why", "2 similar jobs: greedy search")
     monkeypatch.setenv("RECFORGE_HOME", str(site["home"]))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setenv("COLUMNS", "200")
+    # wide enough that no line wraps, whichever test imported recforge.cli (and built its console) first
+    monkeypatch.setattr(cli, "console", Console(width=200))
     result = CliRunner().invoke(app, ["summary", FAILED])
     assert result.exit_code == 0, result.output
     assert f"failed at train: {TRAIN_ERROR}" in result.output
