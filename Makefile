@@ -45,13 +45,21 @@ sysdeps:
 	         "browser tests will be skipped. Run 'sudo make sysdeps' to enable them." >&2; \
 	fi
 
-# pytest exits 5 when it collected nothing: that fails too (it is a nonzero status; said out loud here).
+# Two pytest runs. tests/unit on UNIT_WORKERS pytest-xdist workers, a file's tests on one worker (its module fixtures
+# are built once); then tests/integration and tests/e2e one test at a time: they start ranks, servers and services of
+# their own, which need the machine's cores. PYTEST_ARGS goes to both. A run that collects nothing exits 5; that is
+# fine for one of the two (PYTEST_ARGS selected tests of the other kind only), and fails when both collect nothing.
+UNIT_WORKERS ?= 2
 test: lint sysdeps $(STAMP)
 	@timeout_arg=""; \
 	if $(PY) -c 'import pytest_timeout' 2>/dev/null; then timeout_arg="--timeout=$(PYTEST_TIMEOUT)"; fi; \
-	rc=0; $(PY) -m pytest -q -p no:cacheprovider $$timeout_arg $(PYTEST_ARGS) tests || rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5): failing" >&2; fi; \
-	exit $$rc
+	unit=0; $(PY) -m pytest -q -p no:cacheprovider $$timeout_arg -n $(UNIT_WORKERS) --dist loadfile $(PYTEST_ARGS) \
+	    tests/unit || unit=$$?; \
+	rest=0; $(PY) -m pytest -q -p no:cacheprovider $$timeout_arg $(PYTEST_ARGS) tests/integration tests/e2e \
+	    || rest=$$?; \
+	echo "make test: tests/unit exit $$unit; tests/integration + tests/e2e exit $$rest"; \
+	if [ $$unit -eq 5 ] && [ $$rest -eq 5 ]; then echo "make test: pytest collected no tests: failing" >&2; exit 5; fi; \
+	for rc in $$unit $$rest; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done
 
 # The venv's own ruff and mypy (pyproject's `test` extra, pinned in the lock); settings in pyproject.toml.
 lint: $(STAMP)
